@@ -59,6 +59,8 @@ def test_a_run_of_n_requests_at_once_is_the_run_its_quote_reports_under_its_engi
         cited = {s.settles for s in row.setting_sources}
         assert {"max_num_seqs", "max_num_batched_tokens"} <= cited, row.id
         for source in row.setting_sources:  # the limit, as the cited code sets it for an API server
+            if source.settles not in ("max_num_seqs", "max_num_batched_tokens"):
+                continue
             limit = getattr(row, source.settles)
             assert any(q.strip() == f"UsageContext.OPENAI_API_SERVER: {limit}," for q in source.quote), row.id
 
@@ -231,19 +233,25 @@ def test_the_command_prints_each_row_with_its_source_and_both_predictions(tmp_pa
 
 
 def _pool_holds(row: PublishedRow, max_num_seqs: int) -> int:
-    """Requests of the row's length the planner's pool holds under max_num_seqs."""
+    """Requests of the row's length the planner's pool holds under max_num_seqs, in the row's
+    layout: the planner's count (windows freed past the window), or for "paged" the pool
+    over whole requests of every layer's blocks, by hand: 16-token blocks of gpt-oss-120b's
+    36 layers x K and V x 8 heads x 64 x 2 bytes (bf16), 73,728 bytes a token."""
     from kvpool.capacity.planner import plan
     from kvpool.sim.simulator import engine_assumptions
-    from kvpool.sim.validate import max_step_tokens
-    from kvpool.spec.gpus import get_gpu
+    from kvpool.sim.validate import engine_gpu, max_step_tokens
     from kvpool.spec.models import load_preset
 
     limits = engine_assumptions(max_num_seqs, max_step_tokens(row), "graph")
     deployment = {"tp": row.tp, "kv_dtype": row.kv_dtype, "weight_dtype": row.weight_dtype}
     ctx = row.input_len + row.output_len
     p = plan(
-        load_preset(row.model), get_gpu(row.gpu), num_gpus=row.tp, context_len=ctx, assumptions=limits, **deployment
+        load_preset(row.model), engine_gpu(row), num_gpus=row.tp, context_len=ctx, assumptions=limits, **deployment
     )
+    if row.kv_layout == "paged":
+        assert row.model == "gpt-oss-120b" and row.kv_dtype == "bf16" and row.tp == 1
+        block = 16 * 36 * 2 * 8 * 64 * 2
+        return int(p.ledger.pool_bytes) // (-(-ctx // 16) * block)
     return p.max_concurrent_per_replica
 
 
@@ -265,3 +273,47 @@ def test_a_max_throughput_wave_is_the_most_its_own_pool_holds() -> None:
         assert batch == MAX_BATCH or _pool_holds(row, batch + 1) < batch + 1, row.id
     row = next(r for r in rows if r.id == "trtllm-gptoss120b-h200-32k1k-max")
     assert simulate_row(row).preemptions == 0
+    # every layer holding every token, gpt-oss's pool holds about half the requests it holds
+    # with its 18 sliding layers' blocks freed past their 128-token window
+    gptoss = next(r for r in rows if r.id == "trtllm-gptoss120b-h200-1k8k-max")
+    assert gptoss.kv_layout == "paged"
+    deployment = {"tp": 1, "kv_dtype": "bf16", "weight_dtype": "auto"}
+    paged = max_wave(gptoss, load_preset(gptoss.model), get_gpu("H200"), deployment)
+    hybrid = dataclasses.replace(gptoss, kv_layout=None)
+    windowed = max_wave(hybrid, load_preset(gptoss.model), get_gpu("H200"), deployment)
+    assert (paged, windowed) == (122, 240)
+    assert simulate_row(gptoss).preemptions == 0
+
+
+def test_an_engines_pool_settings_are_each_read_off_its_cited_code() -> None:
+    """The KV pool settings a row takes from its engine (module docstring): each row that sets
+    one otherwise than the simulator's default cites the code that settles it, and the value
+    is the one its quote reads; the rows of one engine take the same (a default applies to
+    every row of that engine whose command leaves it unset)."""
+    rows = load_rows()
+    for row in rows:
+        cited: dict[str, list[str]] = {}  # settles -> the lines quoted for it, over its sources
+        for src in row.setting_sources:
+            assert src.url.startswith("https://github.com/"), row.id
+            cited.setdefault(src.settles, []).extend(q.strip() for q in src.quote)
+        if row.gpu_memory_utilization != 1.0:
+            assert row.gpu_memory_utilization == 0.9 and row.engine.startswith("vLLM"), row.id
+            assert "gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)" in cited["gpu_memory_utilization"]
+        if row.enable_prefix_caching:
+            assert row.engine == "vLLM 0.10.2 (GPUStack)", row.id
+            default_on = '"""Whether to enable prefix caching. Enabled by default for V1."""'
+            assert default_on in cited["enable_prefix_caching"], row.id
+        if row.kv_layout is not None:
+            assert row.kv_layout == "paged" and row.engine == "TensorRT-LLM", row.id
+            quoted = cited["kv_layout"]
+            assert "self.max_attention_window_vec = [max_seq_len]" in quoted  # the manager's default window
+            assert "kv_cache_config:" in quoted and not any("max_attention_window:" in q for q in quoted)
+    # uniform: every TensorRT-LLM gpt-oss row takes the paged pool
+    trt_gptoss = [r for r in rows if r.engine == "TensorRT-LLM" and r.model == "gpt-oss-120b"]
+    assert len(trt_gptoss) == 4 and all(r.kv_layout == "paged" for r in trt_gptoss)
+    assert all(r.kv_layout is None for r in rows if r.model != "gpt-oss-120b")  # no sliding windows: one layout
+    bad = dataclasses.replace(rows[0], kv_layout=None)
+    with pytest.raises(ValueError, match=r"^row vllm-8b-h200-b8: unknown kv_layout 'pages'; one of "):
+        dataclasses.replace(bad, kv_layout="pages")
+    with pytest.raises(ValueError, match=r"^row vllm-8b-h200-b8: gpu_memory_utilization must be in \(0, 1\], got 0$"):
+        dataclasses.replace(bad, gpu_memory_utilization=0)

@@ -41,7 +41,16 @@ model), as the source ran it, with fixed lengths:
 
 The engine's scheduler limits are the row's `max_num_seqs` and `max_num_batched_tokens`
 where its source's engine sets them (stated, or its defaults: `setting_sources`); else the
-batch above and max(8,192, input length) tokens a step.
+batch above and max(8,192, input length) tokens a step. Its KV pool likewise, where the
+engine's code or defaults settle it (`setting_sources`), else the simulator's own:
+`kv_layout` (None: the model's default layout, `hybrid` for sliding-window layers, whose
+blocks past the window are freed; "paged": every layer holds every token, as an engine
+that keeps no per-layer windows in its pool, while attention still reads only the window),
+`enable_prefix_caching` (False: random prompts share nothing; True where the engine keeps
+its prefix cache, in which a preempted request finds its own freed blocks while they
+stand), `gpu_memory_utilization` (1.0: the planner's ledger over the whole GPU; less: the
+engine's share of it, the pool what the ledger leaves inside that share). An "all at once"
+wave is the most requests the pool holds in the row's layout.
 
 Metrics: latency_ms (p50 of the requests' end-to-end latency), ttft_ms, tpot_ms (p50; the
 time per output token after the first, which NIM's ITL and vLLM's TPOT report), output_tok_s
@@ -64,6 +73,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpool.sim.gpufit import DATA_DIR
+from kvpool.sim.routing import LAYOUTS
 
 if TYPE_CHECKING:
     from kvpool.spec.gpus import GPUSpec
@@ -114,6 +124,12 @@ class PublishedRow:
     staggered_requests: int | None = None  # N requests of varying length through the concurrency (docstring)
     max_num_seqs: int | None = None  # the engine's scheduler limits, where its source's engine sets them
     max_num_batched_tokens: int | None = None
+    # the engine's KV pool where its source's engine sets it otherwise than the simulator's
+    # defaults (module docstring): the layout (None: the model's default, hybrid for sliding
+    # windows; "paged": every layer holds every token), the prefix cache, the share of the GPU
+    kv_layout: str | None = None
+    enable_prefix_caching: bool = False
+    gpu_memory_utilization: float = 1.0
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -126,6 +142,11 @@ class PublishedRow:
         for name in ("num_requests", "staggered_requests", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"row {self.id}: {name} must be >= 1 or null, got {getattr(self, name)}")
+        if self.kv_layout is not None and self.kv_layout not in LAYOUTS:
+            raise ValueError(f"row {self.id}: unknown kv_layout {self.kv_layout!r}; one of {', '.join(LAYOUTS)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            share = self.gpu_memory_utilization
+            raise ValueError(f"row {self.id}: gpu_memory_utilization must be in (0, 1], got {share}")
         if self.num_requests is not None and self.concurrency is not None:
             raise ValueError(f"row {self.id}: num_requests (all sent at once) and a concurrency exclude each other")
         if self.staggered_requests is not None:
@@ -219,11 +240,10 @@ def simulate_row(row: PublishedRow, overrides: dict[str, float] | None = None) -
     parameters (a calibration's `GPUFit.overrides()`), else the GPU defaults."""
     from kvpool.sim.cost import CostModel
     from kvpool.sim.simulator import SimConfig, simulate
-    from kvpool.spec.gpus import get_gpu
     from kvpool.spec.models import load_preset
     from kvpool.workload.sessions import uniform_workload
 
-    model, gpu = load_preset(row.model), get_gpu(row.gpu)
+    model, gpu = load_preset(row.model), engine_gpu(row)
     total_len = row.input_len + row.output_len
     # the row's deployment, as the planner, the simulator's config and the cost model take it
     deployment = {"tp": row.tp, "kv_dtype": row.kv_dtype, "weight_dtype": row.weight_dtype}
@@ -242,7 +262,10 @@ def simulate_row(row: PublishedRow, overrides: dict[str, float] | None = None) -
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_step_tokens(row),
         max_model_len=total_len,
-        enable_prefix_caching=False,  # random prompts: nothing to hit
+        # random prompts: nothing to hit across requests; a preempted request's own blocks
+        # where the engine keeps a prefix cache (vLLM V1's default)
+        enable_prefix_caching=row.enable_prefix_caching,
+        layout=row.kv_layout,
         **deployment,
     )
     cost = CostModel(model, gpu, **deployment, **(overrides or {}))
@@ -291,6 +314,9 @@ def max_wave(row: PublishedRow, model: ModelSpec, gpu: GPUSpec, deployment: dict
     def holds(max_num_seqs: int) -> int:  # requests of total_len the pool under this limit holds
         limits = engine_assumptions(max_num_seqs, max_step_tokens(row), "graph")
         p = plan(model, gpu, num_gpus=row.tp, context_len=total_len, assumptions=limits, **deployment)
+        if row.kv_layout == "paged":  # every layer holds every token: a block of every group a block
+            blocks = -(-total_len // p.layout.block_size)
+            return int(p.ledger.pool_bytes) // p.layout.bytes_per_block_all_groups // blocks
         return p.max_concurrent_per_replica
 
     if row.max_num_seqs is not None:  # the engine's own limit: the wave may queue behind it
@@ -304,6 +330,17 @@ def max_wave(row: PublishedRow, model: ModelSpec, gpu: GPUSpec, deployment: dict
     if batch < 1:
         raise ValueError(f"row {row.id}: one request of {total_len:,} tokens does not fit the KV pool")
     return batch
+
+
+def engine_gpu(row: PublishedRow) -> GPUSpec:
+    """The row's GPU preset as its engine sizes its memory: `gpu_memory_utilization` of it
+    (the planner's pool is what the ledger leaves inside that share)."""
+    from kvpool.spec.gpus import get_gpu
+
+    gpu = get_gpu(row.gpu)
+    if row.gpu_memory_utilization == 1.0:
+        return gpu
+    return dataclasses.replace(gpu, memory_bytes=int(gpu.memory_bytes * row.gpu_memory_utilization))
 
 
 def staggered_workload(row: PublishedRow, vocab_size: int) -> Workload:
@@ -377,6 +414,9 @@ def as_json(results: list[RowResult], calibrated: list[RowResult] | None = None)
             "staggered_requests": row.staggered_requests,
             "max_num_seqs": row.max_num_seqs,
             "max_num_batched_tokens": row.max_num_batched_tokens,
+            "kv_layout": row.kv_layout,
+            "enable_prefix_caching": row.enable_prefix_caching,
+            "gpu_memory_utilization": row.gpu_memory_utilization,
             "assumed": row.assumed,
             "setting_sources": [
                 {"settles": s.settles, "url": s.url, "quote": list(s.quote)} for s in row.setting_sources
