@@ -12,7 +12,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool.sim.calibrate import EngineStepTimes, fit_engine
-from kvpool.sim.cost import DEVICE_DEFAULTS, MXFP4_EXPERT_COMPUTE_EFFICIENCY, CostModel, moe_block_m, sum_visible
+from kvpool.sim.cost import (
+    DEVICE_DEFAULTS,
+    MXFP4_EXPERT_COMPUTE_EFFICIENCY,
+    CostModel,
+    expected_padded_rows,
+    moe_block_m,
+    sum_visible,
+)
 from kvpool.spec.dsv4 import SERVING
 from kvpool.spec.gpus import GIB, GPUS, GPUSpec, cpu_preset, custom_gpu, get_gpu
 from kvpool.spec.models import load_preset
@@ -159,27 +166,74 @@ def test_moe_block_m_is_triton_kernels_tile_rule() -> None:
         moe_block_m(0)
 
 
+def _padded_rows_exact(n: int, k: int, e: int, block: int) -> Fraction:
+    """E x E[ceil(X / block) x block], X ~ Binomial(n, k / e), in exact rationals: the sum
+    over x of C(n, x) a^x (c - a)^(n - x) / c^n x ceil(x / block) x block, times e, where
+    a / c = k / e in lowest terms; each integer term from the last (x (c - a) divides it)."""
+    share = Fraction(k, e)
+    a, c = share.numerator, share.denominator
+    total, term = 0, (c - a) ** n  # x = 0: (c - a)^n
+    for x in range(n + 1):
+        total += term * -(-x // block) * block
+        term = term * (n - x) * a // ((x + 1) * (c - a))
+    return Fraction(total * e, c**n)
+
+
+def test_expected_padded_rows_by_hand() -> None:
+    """E[ceil(X / b) x b], X ~ Binomial(n, p): by hand on small cases, and against exact
+    rationals at gpt-oss-120b's shapes (E 128, top-4): it is smooth in n at one tile, where
+    the mean's tiles jumped (4,096 tokens: 256 rows an expert at 2 x 128 -> 4,100: 4)."""
+    # n 3, p 1/2, tiles of 2: X = 0, 1, 2, 3 w.p. 1/8, 3/8, 3/8, 1/8 -> 0, 2, 2, 4 rows: 16 / 8
+    assert expected_padded_rows(3, 0.5, 2) == pytest.approx(2.0, rel=1e-14)
+    assert expected_padded_rows(0, 0.5, 2) == 0.0
+    # one token, p 1/4, tiles of 16: a tile w.p. 1/4
+    assert expected_padded_rows(1, 0.25, 16) == pytest.approx(4.0, rel=1e-14)
+    # two tokens, p 1/32: a tile unless both miss, 1 - (31/32)^2 = 63/1024
+    assert expected_padded_rows(2, 1 / 32, 16) == pytest.approx(16 * 63 / 1024, rel=1e-14)
+    for n, block in ((543, 32), (544, 64), (1057, 64), (4096, 128), (4100, 128)):
+        exact = _padded_rows_exact(n, 4, 128, block)
+        assert 128 * expected_padded_rows(n, 4 / 128, block) == pytest.approx(float(exact), rel=1e-9)
+    # the mean priced 1.00x the rows at 4,096 and 2.00x at 4,100; the expectation ~1.48x both
+    at_4096, at_4100 = (float(_padded_rows_exact(n, 4, 128, 128)) / (4 * n) for n in (4096, 4100))
+    assert 1.47 < at_4096 < at_4100 < 1.49
+    for bad in ((-1, 0.5, 2), (3, 0.0, 2), (3, 1.0, 2), (3, 0.5, 0)):
+        with pytest.raises(ValueError, match=r"^need num_tokens >= 0, block_m >= 1 and 0 < share < 1, got "):
+            expected_padded_rows(*bad)
+
+
 def test_mxfp4_experts_compute_whole_tiles_of_rows() -> None:
     """gpt-oss-120b's MXFP4 experts run in a ragged grouped GEMM that computes each expert's
     rows in whole tiles: a decode step of 1,057 sequences routes 4,228 rows, 33 an expert by
-    the kernel's estimate (tiles of 64), over the ~128 experts they touch, each computing 64
-    rows where 33.0 are real. FP8 DeepSeek-V3 experts are priced as before."""
+    the kernel's estimate (tiles of 64); each of the 128 experts gets Binomial(1,057, 1/32)
+    rows and computes them in tiles of 64. FP8 DeepSeek-V3 experts are priced as before."""
     model = load_preset("gpt-oss-120b")
     cm = CostModel(model, H200)
     h, inter, vocab, layers = 2880, 2880, 201_088, 36
+    eff = MXFP4_EXPERT_COMPUTE_EFFICIENCY["H200"]
     n = 1057
-    touched = 128 * (1 - (1 - 4 / 128) ** n)
-    padding = touched * math.ceil(4 * n / touched / 64) * 64 - 4 * n  # 64 rows each, 33.0 real
+    padding = float(_padded_rows_exact(n, 4, 128, 64)) - 4 * n  # ~0.94x the rows
+    assert 0.93 < padding / (4 * n) < 0.95
     hand = 2 * n * cm.active_params_per_token + 2 * n * vocab * h + layers * 2 * 3 * h * inter * padding
     cost = cm.step_cost([(1, 1500)] * n)
-    assert cost.linear_flops == pytest.approx(hand, rel=1e-12)
-    # compute-bound: the experts' computed rows (4 n real + padding) at 0.257 of the peak on
-    # Hopper, the rest at 0.5 (test_mxfp4_experts_run_at_their_hopper_efficiency)
+    assert cost.linear_flops == pytest.approx(hand, rel=1e-9)
+    # compute-bound: the experts' computed rows (4 n real + padding) at their Hopper rate,
+    # the rest at 0.5 (test_mxfp4_experts_run_at_their_hopper_efficiency)
     experts = layers * 2 * 3 * h * inter * (4 * n + padding)
-    assert cost.gemm_s == pytest.approx((hand - experts) / (989e12 * 0.5) + experts / (989e12 * 0.257), rel=1e-12)
-    # a prefill chunk of 8,192 tokens fills its tiles (256 rows an expert, tiles of 128)
+    assert cost.gemm_s == pytest.approx((hand - experts) / (989e12 * 0.5) + experts / (989e12 * eff), rel=1e-9)
+    # a prefill chunk of 8,192 tokens: 256 rows an expert on average in tiles of 128, which
+    # an expert past 256 rows spills into a third: 24 % more rows than the real ones
     chunk = cm.step_cost([(8192, 8192)])
-    assert chunk.linear_flops == pytest.approx(2 * 8192 * cm.active_params_per_token + 2 * vocab * h, rel=1e-9)
+    padding = float(_padded_rows_exact(8192, 4, 128, 128)) - 4 * 8192
+    assert 0.23 < padding / (4 * 8192) < 0.25
+    assert chunk.linear_flops == pytest.approx(
+        2 * 8192 * cm.active_params_per_token + 2 * vocab * h + layers * 2 * 3 * h * inter * padding, rel=1e-9
+    )
+    # the kernel's own tile switch stays a step in the cost: 543 decodes (16 rows an expert
+    # by its estimate, tiles of 32) compute ~4,097 rows a layer, 544 (17, tiles of 64) 8,192
+    rows = {b: 4 * b + cm._moe_tile_flops(b) / cm._moe_row_flops for b in (543, 544)}
+    assert rows[543] == pytest.approx(float(_padded_rows_exact(543, 4, 128, 32)), rel=1e-9)
+    assert rows[544] == pytest.approx(float(_padded_rows_exact(544, 4, 128, 64)), rel=1e-9)
+    assert 4096 < rows[543] < 4098 and 8191 < rows[544] <= 8192
     # 8 decodes: 32 rows, tiles of 16 over ~28.6 experts, padding 14x the rows, but the GEMMs
     # still wait on the weights: the padding costs nothing
     small = cm.step_cost([(1, 1500)] * 8)
@@ -192,35 +246,45 @@ def test_mxfp4_experts_compute_whole_tiles_of_rows() -> None:
 
 
 def test_mxfp4_experts_run_at_their_hopper_efficiency() -> None:
-    """On H100 and H200 gpt-oss-120b's MXFP4 experts' GEMMs run at 0.257 of the BF16 peak
-    (SGLang PR 38884's Marlin figure: 254 of 989 TFLOP/s), the rest of the linear layers at
-    the compute efficiency; B200 and FP8 experts keep the one efficiency; steps bound by
+    """On H100 and H200 gpt-oss-120b's MXFP4 experts' GEMMs compute their rows (padding
+    included) at 0.257 x 1.081 of the BF16 peak: SGLang PR 38884's Marlin figure (254 of 989
+    TFLOP/s useful) over the rows Marlin computed at its shape (16,384 tokens, top-6 of 256:
+    384 rows an expert on average, Marlin's tiles of 64); the rest of the linear layers run
+    at the compute efficiency; B200 and FP8 experts keep the one efficiency; steps bound by
     their weight reads do not change."""
     model = load_preset("gpt-oss-120b")
     h, inter, vocab, layers = 2880, 2880, 201_088, 36
-    assert MXFP4_EXPERT_COMPUTE_EFFICIENCY == {"H100": 0.257, "H200": 0.257}
-    # a prefill chunk of 8,192 tokens: 256 rows an expert in tiles of 128, no padding
+    # Marlin's block_size_m: the first of 8, 16, 32, 48, 64 with rows an expert / block < 0.9, else 64
+    block = next((b for b in (8, 16, 32, 48, 64) if 16384 * 6 / 256 / b < 0.9), 64)
+    assert block == 64
+    ratio = _padded_rows_exact(16384, 6, 256, block) / (16384 * 6)
+    assert 1.080 < ratio < 1.082
+    assert MXFP4_EXPERT_COMPUTE_EFFICIENCY.keys() == {"H100", "H200"}
+    for eff in MXFP4_EXPERT_COMPUTE_EFFICIENCY.values():
+        assert eff == pytest.approx(0.257 * float(ratio), rel=1e-11)
+    eff = MXFP4_EXPERT_COMPUTE_EFFICIENCY["H100"]
+    # a prefill chunk of 8,192 tokens: its expert rows, padding included (tiles of 128)
+    computed = float(_padded_rows_exact(8192, 4, 128, 128))
+    experts = layers * 2 * 3 * h * inter * computed
     for gpu in (H100, H200):
         cm = CostModel(model, gpu)
         cost = cm.step_cost([(8192, 8192)])
-        experts = layers * 2 * 3 * h * inter * 8192 * 4
-        dense = 2 * 8192 * cm.active_params_per_token + 2 * vocab * h - experts
-        assert cost.linear_flops == pytest.approx(dense + experts, rel=1e-12)
-        assert cost.gemm_s == pytest.approx(dense / (989e12 * 0.5) + experts / (989e12 * 0.257), rel=1e-12)
+        dense = 2 * 8192 * cm.active_params_per_token + 2 * vocab * h - layers * 2 * 3 * h * inter * 8192 * 4
+        assert cost.linear_flops == pytest.approx(dense + experts, rel=1e-9)
+        assert cost.gemm_s == pytest.approx(dense / (989e12 * 0.5) + experts / (989e12 * eff), rel=1e-9)
         assert cost.compute_s == pytest.approx(
-            cost.gemm_s + cost.attention_flops / (989e12 * 0.5), rel=1e-12
+            cost.gemm_s + cost.attention_flops / (989e12 * 0.5), rel=1e-9
         )  # compute-bound: the GEMM phase is its compute
         # at TP 2 every expert's slice is half as wide: half the FLOPs, the same rate
         cm2 = CostModel(model, gpu, tp=2)
         cost2 = cm2.step_cost([(8192, 8192)])
-        dense2 = 2 * 8192 * cm2.active_params_per_token + 2 * vocab * h / 2 - experts / 2
-        assert cost2.gemm_s == pytest.approx(dense2 / (989e12 * 0.5) + experts / 2 / (989e12 * 0.257), rel=1e-12)
+        dense2 = 2 * 8192 * cm2.active_params_per_token + 2 * vocab * h / 2 - layers * 2 * 3 * h * inter * 8192 * 2
+        assert cost2.gemm_s == pytest.approx(dense2 / (989e12 * 0.5) + experts / 2 / (989e12 * eff), rel=1e-9)
     # a compute efficiency set by hand moves the rest, not the experts
     cm = CostModel(model, H200, compute_efficiency=0.4)
     cost = cm.step_cost([(8192, 8192)])
-    experts = layers * 2 * 3 * h * inter * 8192 * 4
-    dense = 2 * 8192 * cm.active_params_per_token + 2 * vocab * h - experts
-    assert cost.gemm_s == pytest.approx(dense / (989e12 * 0.4) + experts / (989e12 * 0.257), rel=1e-12)
+    dense = 2 * 8192 * cm.active_params_per_token + 2 * vocab * h - layers * 2 * 3 * h * inter * 8192 * 4
+    assert cost.gemm_s == pytest.approx(dense / (989e12 * 0.4) + experts / (989e12 * eff), rel=1e-9)
     # B200 has FP4 tensor cores and no figure here: its experts run at the one efficiency
     b200 = CostModel(model, B200).step_cost([(8192, 8192)])
     assert b200.gemm_s == pytest.approx(b200.linear_flops / (2.25e15 * 0.5), rel=1e-12)

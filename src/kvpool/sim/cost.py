@@ -44,8 +44,9 @@ FLOPs; norms, biases and activations are not counted (a fraction of a percent).
 MXFP4 routed experts (gpt-oss) on a GPU add the padding of their grouped GEMM's tiles:
 
     moe_tile_flops = moe_layers x 2 x 3 x hidden x expert_intermediate / tp
-                     x (T x ceil(N x top_k / T / block_m) x block_m - N x top_k)
-    T       = experts_touched(N), the touched experts, each holding N x top_k / T rows
+                     x (E x E[ceil(X / block_m) x block_m] - N x top_k)
+    X       ~ Binomial(N, top_k / E), the rows one expert gets under uniform routing
+              (`expected_padded_rows` sums the expectation over the pmf)
     block_m = moe_block_m(t), t = max(1, N x top_k // E): clamp(next_pow2(2 t), 16, 64)
               for t <= 64, else clamp(next_pow2(t), 16, 128)
 
@@ -56,20 +57,24 @@ rows in tiles of block_m, chosen by the rule above from its expected rows an exp
 (opt_flags.py: "Ragged and likely memory bound; set the block size higher to minimize
 loading weights more than once"), so an expert of 33 rows computes 64. The padding rows are
 computed like the others (at the GEMMs' compute efficiency); they cost nothing while the
-step's GEMMs are bound by their weight reads, and up to 1.9-3.6x the experts' FLOPs in the
-large decode batches of a maximum-throughput run (1,057 and 562 sequences of gpt-oss-120b).
-The rows of one expert vary about their mean (not modelled: the mean's tiles are priced).
+step's GEMMs are bound by their weight reads, and up to 0.9-2.7x the experts' FLOPs in the
+large decode batches of a maximum-throughput run (1,057 and 555 sequences of gpt-oss-120b).
+Pricing the expectation over each expert's rows, rather than the tiles of the mean, keeps
+the term smooth in N at one block_m (the mean's tiles jumped from none padded at 4,096
+gpt-oss tokens to 2x the rows at 4,100; the expectation is 1.48x at both); the kernel's
+own switch of block_m, which its rule takes from N, stays a step (544 gpt-oss decodes
+compute 8,192 rows a layer in tiles of 64, 543 about 4,097 in tiles of 32).
 The term applies on every GPU preset; on Blackwell TensorRT-LLM runs these experts in other
 (CUTLASS) kernels whose tiles are not modelled apart.
 
 On Hopper (the H100 and H200 presets) those GEMMs also run at their own fraction of the BF16
-peak, 0.257 (`MXFP4_EXPERT_COMPUTE_EFFICIENCY`), instead of ce:
+peak, 0.278 (`MXFP4_EXPERT_COMPUTE_EFFICIENCY`, below), instead of ce:
 
-    moe_s = moe_flops / (peak(weights) x 0.257) - moe_flops / (peak(weights) x ce)
+    moe_s = moe_flops / (peak(weights) x 0.278) - moe_flops / (peak(weights) x ce)
     moe_flops = moe_layers x 2 x 3 x hidden x expert_intermediate / tp x (N x top_k + padding)
 
 (the rows the grouped GEMM computes, its tiles' padding included), so the GEMM phase prices
-the experts at 0.257 and the rest of linear_flops at ce. The figure is the one kernel-level
+the experts at 0.278 and the rest of linear_flops at ce. The figure is the one kernel-level
 measurement of an MXFP4 MoE GEMM on Hopper found (2026-12-05), SGLang PR 38884
 (https://github.com/sgl-project/sglang/pull/38884), from an nsys capture of a live W4A16
 DeepSeek-V4-Flash server on H100s, 16,384-token prefill chunks: "MoE marlin W4A16 GEMM",
@@ -79,12 +84,19 @@ spends 64 of 220 instructions per 32-K step on `HMMA`, the rest on dequant, scal
 Its shape checks out here: 16,384 tokens x top-6 x 2 x 3 x hidden 4,096 x intermediate
 2,048 / 4 GPUs is 1.237 TFLOP, and 256 experts of MXFP4 (4.25 bits) over 4 GPUs 856 MB.
 It is Marlin's (the kernel vLLM picks on Hopper without triton_kernels installed), at 384
-rows an expert (full tiles) and a 512-wide expert slice; no kernel-level figure for
+rows an expert on average and a 512-wide expert slice. The 25.7 % is useful FLOPs over
+time; Marlin computes each expert's rows in whole blocks (vLLM's fused_marlin_moe: the
+first block_size_m of 8, 16, 32, 48, 64 with rows an expert / block < 0.9, else 64: 64
+there), 1.081x the useful rows over Binomial(16,384, 6 / 256) rows an expert
+(`MXFP4_SGLANG_COMPUTED_ROWS`), so the rate of a computed row is 0.257 x 1.081 = 0.278;
+no kernel-level figure for
 triton_kernels' matmul_ogs (TensorRT-LLM's TRITON backend on Hopper) or at gpt-oss's
 shapes was found, so the one figure stands for every MXFP4 expert GEMM on Hopper. Being
 issue-bound (dequantizing each weight tile costs instructions a tile of rows amortizes),
 it is taken as the rate of every computed row; the tiles' padding rows are priced by
-`moe_block_m` above. No kernel-level figure of these kernels' bandwidth at small batches
+`moe_block_m` above. Whether a padding row costs a real row's time is not known: the tile
+rule's own comment calls its range "likely memory bound", and no figure of a tile's time
+against its rows was found. No kernel-level figure of these kernels' bandwidth at small batches
 was found, so their weight reads keep be. Other GPUs (B200, custom) price the experts at ce.
 
 Bytes:
@@ -245,6 +257,20 @@ def _ints_only(positions: Sequence[int]) -> bool:
         return False
 
 
+def expected_padded_rows(num_tokens: int, share: float, block_m: int) -> float:
+    """E[ceil(X / block_m) x block_m], X ~ Binomial(num_tokens, share): the rows one expert's
+    grouped GEMM computes, in whole tiles of block_m, when each of `num_tokens` tokens routes
+    to it with probability `share` (top_k / E under uniform routing). Exact up to fp64
+    rounding: the pmf from its log, log C(n, x) summed as log((n - i) / (i + 1)) over i < x."""
+    if num_tokens < 0 or block_m < 1 or not 0.0 < share < 1.0:
+        raise ValueError(f"need num_tokens >= 0, block_m >= 1 and 0 < share < 1, got {num_tokens}, {block_m}, {share}")
+    x = np.arange(num_tokens + 1, dtype=np.float64)
+    log_ratio = np.log(num_tokens - x[:-1]) - np.log(x[:-1] + 1.0) + math.log(share) - math.log1p(-share)
+    log_pmf = num_tokens * math.log1p(-share) + np.concatenate(([0.0], np.cumsum(log_ratio)))
+    tiles = np.ceil(x / block_m) * block_m
+    return float(np.dot(np.exp(log_pmf), tiles))
+
+
 # The GEMM precision of each weight format (see the module docstring).
 WEIGHT_PRECISION: dict[str, str] = {"bf16": "bf16", "mxfp4": "bf16", "fp8": "fp8", "fp4+fp8": "fp8", "fp32": "fp32"}
 # The fraction of the BF16 dense peak MXFP4 routed experts' grouped GEMMs reach on a Hopper
@@ -252,7 +278,18 @@ WEIGHT_PRECISION: dict[str, str] = {"bf16": "bf16", "mxfp4": "bf16", "fp8": "fp8
 # 989 TFLOP/s, SGLang PR 38884's kernel-level figure for Marlin's W4A16 MoE GEMM on an H100
 # (module docstring). The H200 has the H100's SMs, clocks and peak; its faster HBM does not
 # help a GEMM its author finds bound by instruction issue. Other GPUs: compute_efficiency.
-MXFP4_EXPERT_COMPUTE_EFFICIENCY: dict[str, float] = {"H100": 0.257, "H200": 0.257}
+# 0.257 is useful FLOPs over time; this model prices the rows a GEMM computes, its tiles'
+# padding included, so the rate is 0.257 x the rows SGLang's kernel computed over its useful
+# rows (`MXFP4_SGLANG_COMPUTED_ROWS`).
+MXFP4_SGLANG_USEFUL_EFFICIENCY = 0.257
+# The rows Marlin's MoE GEMM computes over the useful rows at SGLang's shape (16,384 tokens,
+# top-6 of 256 experts: 384 rows an expert; Marlin's block_size_m rule, the first of 8, 16,
+# 32, 48, 64 where rows an expert / block < 0.9, else 64, takes 64): E x E[ceil(X / 64) x 64]
+# / (16,384 x 6), X ~ Binomial(16,384, 6 / 256), about 1.081.
+MXFP4_SGLANG_COMPUTED_ROWS = 256 * expected_padded_rows(16384, 6 / 256, 64) / (16384 * 6)
+MXFP4_EXPERT_COMPUTE_EFFICIENCY: dict[str, float] = dict.fromkeys(
+    ("H100", "H200"), MXFP4_SGLANG_USEFUL_EFFICIENCY * MXFP4_SGLANG_COMPUTED_ROWS
+)
 # The attention math precision of each KV dtype.
 ATTENTION_PRECISION: dict[str, str] = {
     "bf16": "bf16",
@@ -542,14 +579,14 @@ class CostModel:
 
     def _moe_tile_flops(self, num_tokens: int) -> float:
         """FLOPs this GPU spends on the padding rows of a step's routed-expert GEMMs: each of
-        the experts_touched(N) experts of a MoE layer holds N x k / touched rows on average
-        and computes them in whole tiles of moe_block_m rows (module docstring)."""
+        the E experts of a MoE layer gets X ~ Binomial(N, k / E) rows under uniform routing
+        and computes them in whole tiles of moe_block_m rows, E x E[ceil(X / block_m) x
+        block_m] rows in all (`expected_padded_rows`), N x k of them real (module docstring)."""
         moe = self.model.moe
         assert moe is not None
-        rows = num_tokens * moe.experts_per_token
-        block_m = moe_block_m(max(1, rows // moe.num_experts))
-        touched = self.experts_touched(num_tokens)
-        padding = touched * math.ceil(rows / touched / block_m) * block_m - rows
+        e, rows = moe.num_experts, num_tokens * moe.experts_per_token
+        block_m = moe_block_m(max(1, rows // e))
+        padding = e * expected_padded_rows(num_tokens, moe.experts_per_token / e, block_m) - rows
         return self._moe_row_flops * padding
 
     @cached_property
