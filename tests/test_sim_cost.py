@@ -196,8 +196,10 @@ def test_expected_padded_rows_by_hand() -> None:
     # the mean priced 1.00x the rows at 4,096 and 2.00x at 4,100; the expectation ~1.48x both
     at_4096, at_4100 = (float(_padded_rows_exact(n, 4, 128, 128)) / (4 * n) for n in (4096, 4100))
     assert 1.47 < at_4096 < at_4100 < 1.49
-    for bad in ((-1, 0.5, 2), (3, 0.0, 2), (3, 1.0, 2), (3, 0.5, 0)):
-        with pytest.raises(ValueError, match=r"^need num_tokens >= 0, block_m >= 1 and 0 < share < 1, got "):
+    # every token to every expert (top_k = E): 33 rows in tiles of 16 compute 48
+    assert expected_padded_rows(33, 1.0, 16) == 48.0
+    for bad in ((-1, 0.5, 2), (3, 0.0, 2), (3, 1.5, 2), (3, 0.5, 0)):
+        with pytest.raises(ValueError, match=r"^need num_tokens >= 0, block_m >= 1 and 0 < share <= 1, got "):
             expected_padded_rows(*bad)
 
 

@@ -262,8 +262,10 @@ def expected_padded_rows(num_tokens: int, share: float, block_m: int) -> float:
     grouped GEMM computes, in whole tiles of block_m, when each of `num_tokens` tokens routes
     to it with probability `share` (top_k / E under uniform routing). Exact up to fp64
     rounding: the pmf from its log, log C(n, x) summed as log((n - i) / (i + 1)) over i < x."""
-    if num_tokens < 0 or block_m < 1 or not 0.0 < share < 1.0:
-        raise ValueError(f"need num_tokens >= 0, block_m >= 1 and 0 < share < 1, got {num_tokens}, {block_m}, {share}")
+    if num_tokens < 0 or block_m < 1 or not 0.0 < share <= 1.0:
+        raise ValueError(f"need num_tokens >= 0, block_m >= 1 and 0 < share <= 1, got {num_tokens}, {block_m}, {share}")
+    if share == 1.0:  # every token routes to every expert (top_k = E): X = num_tokens
+        return float(-(-num_tokens // block_m) * block_m)
     x = np.arange(num_tokens + 1, dtype=np.float64)
     log_ratio = np.log(num_tokens - x[:-1]) - np.log(x[:-1] + 1.0) + math.log(share) - math.log1p(-share)
     log_pmf = num_tokens * math.log1p(-share) + np.concatenate(([0.0], np.cumsum(log_ratio)))
