@@ -427,7 +427,8 @@ def add_engine_model_option(
         MODEL,
         default=DEFAULT_MODEL,
         type=model,
-        note=f"{DEFAULT_MODEL} (the embedded SmolLM2-135M-Instruct) or a Llama-architecture GGUF file" + note,
+        note=f"{DEFAULT_MODEL} (the embedded SmolLM2-135M-Instruct), a Llama-architecture GGUF file, or an HF "
+        "model directory of a Llama / Mistral / Qwen2 (config.json, safetensors, tokenizer.json)" + note,
     )
 
 
@@ -541,10 +542,12 @@ def options_table() -> str:
         "tokenizer is byte-level BPE split one of the ways kvpool builds (`tokenizer.ggml.pre` "
         + ", ".join(f"`{pre}`" for pre in sorted(SUPPORTED_PRES))
         + "; another, such as DeepSeek's `deepseek-llm`, is refused in one line), its RoPE plain, linear-scaled "
-        "or Llama 3.1's (`rope_freqs.weight`: Llama 3.1 / 3.2 run; YaRN and LongRoPE are refused); `run` also takes "
+        "or Llama 3.1's (`rope_freqs.weight`: Llama 3.1 / 3.2 run; YaRN and LongRoPE are refused), or a Hugging "
+        "Face directory of a Llama / Mistral / Qwen2 (config.json, safetensors, tokenizer.json: text in and out, "
+        "its chat template, the tiers); `run` also takes "
         + ", ".join(f"`{m}`" for m in ENGINE_MODELS[1:])
-        + ", a Llama / Mistral / Qwen2 config.json (seeded random weights) or its Hugging Face directory with its "
-        "safetensors (its weights; token ids in and out), `generate` and `eval kv-quant` take "
+        + ", a Llama / Mistral / Qwen2 config.json (seeded random weights) or its Hugging Face directory without a "
+        "tokenizer.json (its weights; token ids in and out), `generate` and `eval kv-quant` take "
         "`tiny-dsv4`; `plan` and `simulate` take a preset name in any case "
         "(`kvpool plan -h` lists them) or a config.json. GPU presets are case-insensitive (`h200` = `H200`).",
         "",

@@ -171,7 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         note="; or the built-in tiny-dsv4 (the tiny DeepSeek-V4 model on its dual pool, token ids), tiny-gemma2 "
         "(window + full attention) or tiny-recurrent (recurrent + full layers); or an HF config.json of a "
         "Llama-family model (Llama, Mistral, Qwen2: seeded random weights, token ids: real shapes without the "
-        "weights), or its directory with its safetensors (its weights, token ids)",
+        "weights), or its directory with its safetensors (its weights; without a tokenizer.json, token ids)",
     )
     add_threads_option(parser, probed=True)
     add_tp_option(parser)
@@ -296,8 +296,9 @@ def config_engine(args: argparse.Namespace):
 
     directory = os.path.isdir(args.model)
     if host_cache_bytes(args) is not None or any(persistent_cache_options(args).values()):
-        what = "an HF directory's model" if directory else "random weights"
-        raise ValueError(f"--model {args.model}: {what} serve no tiers (no --host-cache-gib, --disk-cache, --redis)")
+        what = "an HF directory without a tokenizer.json" if directory else "random weights"
+        verb = "serves" if directory else "serve"
+        raise ValueError(f"--model {args.model}: {what} {verb} no tiers (no --host-cache-gib, --disk-cache, --redis)")
     if getattr(args, "preemption", "recompute") != "recompute":
         raise ValueError(f"--model {args.model}: preemption swap and auto need the host tier; use recompute")
     hf = llama_config(args.model)
@@ -342,8 +343,11 @@ def build(args: argparse.Namespace):
 
     check_hybrid(args)
     check_device_model(args, (TINY_MODEL, *HYBRID_MODELS))
+    from kvpool.models.hf_tokenizer import has_hf_tokenizer, is_hf_directory
+
+    # a config.json, or an HF directory without a tokenizer.json: token ids (with one: text, below)
     if args.model is not None and (
-        args.model.endswith(".json") or os.path.isfile(os.path.join(args.model, "config.json"))
+        args.model.endswith(".json") or (is_hf_directory(args.model) and not has_hf_tokenizer(args.model))
     ):
         engine, name, vocab_size = config_engine(args)
         limit_model_len(engine, args.max_model_len)

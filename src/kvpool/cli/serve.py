@@ -137,10 +137,15 @@ def run(args: argparse.Namespace) -> int:
     max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
     kv_bytes = parse_bytes(args.kv_memory)
     check_engine_flags(args)  # (llama_engine reads --preemption, --kv-cache-dtype and the tier flags)
+    from kvpool.models.hf_tokenizer import is_hf_directory
+
     gguf = gguf_path(args.model)
-    if gguf is not None and not os.path.isfile(gguf):
-        raise FileNotFoundError(f"--model {gguf!r}: no such GGUF file (or give {DEFAULT_MODEL})")
-    name = args.served_model_name or (DEFAULT_MODEL if gguf is None else os.path.basename(gguf).removesuffix(".gguf"))
+    if gguf is not None and not os.path.isfile(gguf) and not is_hf_directory(gguf):
+        raise FileNotFoundError(
+            f"--model {gguf!r}: no such GGUF file nor HF model directory (with a config.json) (or give {DEFAULT_MODEL})"
+        )
+    base = None if gguf is None else os.path.basename(os.path.normpath(gguf)).removesuffix(".gguf")
+    name = args.served_model_name or base or DEFAULT_MODEL
     sock = _bind(args.host, args.port)
     try:
         return _serve(args, sock, gguf, name, kv_bytes, api_keys, max_request_bytes)

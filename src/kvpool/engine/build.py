@@ -30,7 +30,8 @@ from kvpool.kernels import cpu_kernels
 from kvpool.models import weight_cache
 from kvpool.models.gguf import GGUFModel, check_gguf_file, default_gguf_path, file_digest, load_gguf
 from kvpool.models.gguf_header import check_header, read_header
-from kvpool.models.hf_config import model_bytes
+from kvpool.models.hf_config import hf_tensors, hf_weight_files, llama_config, model_bytes
+from kvpool.models.hf_tokenizer import is_hf_directory, load_hf_tokenizer
 from kvpool.models.llama import LlamaModel
 from kvpool.models.rope import rope_id
 from kvpool.models.tiny_dsv4 import TinyDSV4
@@ -75,6 +76,8 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, devi
     start = time.perf_counter()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     path = path or default_gguf_path()
+    if is_hf_directory(path):
+        return _load_hf_directory(path, dtype, device, start)
     check_gguf_file(path)
     stat = _file_identity(path)
     # everything the header alone refuses, before the digest reads the whole file (~80 s
@@ -125,6 +128,40 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, devi
     tokenizer_bytes = max(0, rss_bytes() - before)
     elapsed = time.perf_counter() - start
     return LoadedModel(meta, model, tokenizer, meta.digest, elapsed, source, tokenizer_bytes)
+
+
+def hf_weights_version(directory: str) -> str:
+    """The weights' version of an HF directory: its safetensors files' content digests (the
+    descriptor's, as a GGUF's digest is: other weights never hit the tiers' blocks)."""
+    return "safetensors:" + "-".join(file_digest(f) for f in hf_weight_files(directory))
+
+
+def _load_hf_directory(path: str, dtype: torch.dtype, device: str, start: float) -> LoadedModel:
+    """An HF model directory (config.json, safetensors, tokenizer.json): its tokenizer read
+    first (a directory without one refused before the weights are hashed or read), then
+    its config, digest and weights (models/hf_config.py; no weight cache)."""
+    path = os.path.normpath(path)
+    before = rss_bytes()
+    tokenizer = load_hf_tokenizer(path)
+    tokenizer_bytes = max(0, rss_bytes() - before)
+    hf = llama_config(path)
+    name = torch.finfo(dtype).dtype if dtype.is_floating_point else dtype
+    check_fits(
+        model_bytes(hf.config, dtype),
+        device,
+        f"HF model {path} ({hf.config.num_layers} layers of hidden {hf.config.hidden_size}) in {name}",
+        "a smaller model" + (", or --dtype bf16" if dtype == torch.float32 else ""),
+    )
+    vocab = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+    if vocab > hf.config.vocab_size:
+        raise ValueError(
+            f"{path}: tokenizer.json has {vocab} tokens, past config.json's vocab_size {hf.config.vocab_size}"
+        )
+    version = hf_weights_version(path)
+    kernels = cpu_kernels() if torch.device(device).type == "cpu" and dtype == torch.float32 else None
+    model = LlamaModel.from_tensors(hf.config, hf_tensors(path, hf.config, dtype), device, kernels)
+    meta = GGUFModel(path, hf.config, None, "safetensors", version)  # (no GGUF: its tokenizer is `tokenizer`)
+    return LoadedModel(meta, model, tokenizer, version, time.perf_counter() - start, "safetensors", tokenizer_bytes)
 
 
 def descriptor_for(loaded: LoadedModel, block_size: int, kv_format: str | None = None) -> CacheDescriptor:
@@ -228,6 +265,7 @@ def _llama_engine(loaded: LoadedModel, *, block_size: int = 16, kv_format: str |
     """A loaded GGUF: its descriptor, and its tokenizer's end-of-turn tokens and text."""
     tok = loaded.tokenizer
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    eos.update(tok.stop_token_ids)  # an HF directory's generation_config.json
     im_end = tok.tokenizer.token_to_id("<|im_end|>")
     if im_end is not None:
         eos.add(im_end)  # chat models end a turn with <|im_end|>

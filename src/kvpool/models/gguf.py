@@ -112,7 +112,7 @@ class GGUFModel:
 
     path: str
     config: LlamaConfig
-    tokenizer: TokenizerData
+    tokenizer: TokenizerData | None  # None for an HF directory's model (engine/build.py: its own tokenizer)
     file_type: str
     digest: str  # xxh3_128 of the whole file: the weights' version
 
@@ -499,7 +499,7 @@ def check_gguf_file(path: str) -> None:
     if os.path.isdir(path):
         inside = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
         hint = f"; it holds {', '.join(inside[:4])}{', ...' if len(inside) > 4 else ''}" if inside else ""
-        raise ValueError(f"{path} is a directory, not a GGUF file{hint}")
+        raise ValueError(f"{path} is a directory, not a GGUF file{hint} (nor an HF model directory: no config.json)")
     if not os.path.exists(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     if not os.path.isfile(path):  # a device or a pipe: "not found" sent the user looking for a missing file

@@ -13,8 +13,8 @@ too for that pre-tokenizer).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NoReturn
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -50,7 +50,24 @@ _REGEX_PRES = {
     "llama-bpe": (_split_regex(r"\p{N}{1,3}"), True),  # Llama 3: digits in runs of at most three
     "qwen2": (_split_regex(r"\p{N}"), False),  # Qwen2: every digit on its own
 }
+# what clean_up_tokenization_spaces removes from decoded text: the space before punctuation and contractions
+# (in transformers' order: " ' " before " 's")
+_CLEAN_UP = (
+    tuple((f" {p}", p) for p in (".", "?", "!", ","))
+    + ((" ' ", "'"),)
+    + tuple((f" {p}", p) for p in ("n't", "'m", "'s", "'ve", "'re"))
+)
 SUPPORTED_PRES = _GPT2_PRES | _INDIVIDUAL_DIGIT_PRES | frozenset(_REGEX_PRES)
+
+
+def _check_text(text: str) -> None:
+    try:  # (tokenizers raised "TypeError: TextEncodeInput must be Union[...]" on a lone surrogate)
+        text.encode()
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"the text holds a lone surrogate ({text[error.start]!r} at character {error.start}), "
+            "which is not Unicode text"
+        ) from None
 
 
 @dataclass
@@ -63,50 +80,72 @@ class ChatTokenizer:
     eos_token_id: int | None
     add_bos_token: bool
     version: str  # part of the cache descriptor: a different tokenizer must never hit the cache
+    # an HF directory's (models/hf_tokenizer.py); a GGUF's keep these defaults
+    template_source: str = "the GGUF's"  # names where the chat template came from, in its errors
+    template_vars: dict[str, Any] = field(default_factory=dict)  # bos_token, eos_token, ... as transformers passes
+    stop_token_ids: tuple[int, ...] = ()  # generation_config.json's eos ids, besides eos_token_id
+    post_process: bool = False  # encode runs tokenizer.json's post-processor (transformers' add_special_tokens)
+    clean_up_spaces: bool = False  # decode drops the space before punctuation (clean_up_tokenization_spaces)
+
+    def _ids(self, text: str, specials: bool) -> list[int]:
+        return self.tokenizer.encode_batch([text], add_special_tokens=specials)[0].ids
 
     def encode(self, text: str) -> list[int]:
-        try:  # (tokenizers raised "TypeError: TextEncodeInput must be Union[...]" on a lone surrogate)
-            text.encode()
-        except UnicodeEncodeError as error:
-            raise ValueError(
-                f"the text holds a lone surrogate ({text[error.start]!r} at character {error.start}), "
-                "which is not Unicode text"
-            ) from None
+        _check_text(text)
         # encode_batch releases the GIL (encode holds it): a server tokenizing a long prompt
         # on a worker thread keeps its event loop and engine thread running meanwhile
-        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        ids = self._ids(text, self.post_process)
         if self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        if self.clean_up_spaces:
+            for spaced, clean in _CLEAN_UP:
+                text = text.replace(spaced, clean)
+        return text
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The chat template (jinja2, as shipped in the GGUF) applied to `messages`."""
+        """The chat template (jinja2, as shipped in the GGUF or the HF directory) applied to
+        `messages`, with `template_vars` (an HF directory's special tokens, tools=None)."""
         if not self.chat_template:
-            raise ValueError("this GGUF has no tokenizer.chat_template; use raw text (--no-chat)")
+            if self.template_source == "the GGUF's":
+                raise ValueError("this GGUF has no tokenizer.chat_template; use raw text (--no-chat)")
+            raise ValueError(f"{self.template_source} chat template is absent; use raw text (--no-chat)")
         import jinja2
+        import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> NoReturn:  # what HF templates call to refuse messages
             raise jinja2.TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            undefined=jinja2.StrictUndefined,
+            extensions=[jinja2.ext.loopcontrols],  # ({% break %} / {% continue %}, which HF templates may use)
+        )
         env.globals["raise_exception"] = raise_exception
         # ValueError, one line: a template that is not jinja, or one that refuses the messages
         # (its raise_exception, an undefined name), was a jinja2 traceback from the CLI
         try:
             template = env.from_string(self.chat_template)
         except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"the GGUF's chat template is not valid jinja (line {e.lineno}): {e.message}") from None
+            raise ValueError(
+                f"{self.template_source} chat template is not valid jinja (line {e.lineno}): {e.message}"
+            ) from None
         try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+            return template.render(**self.template_vars, messages=messages, add_generation_prompt=add_generation_prompt)
         except (jinja2.TemplateError, TypeError) as e:
             raise ValueError(f"the chat template refused the messages: {e}") from None
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(self.render_chat(messages))
+        text = self.render_chat(messages)
+        if self.post_process:  # the template writes its own special tokens: transformers adds none
+            _check_text(text)
+            return self._ids(text, False)
+        return self.encode(text)
 
 
 def check_tokenizer_kind(model: str, pre: str) -> None:

@@ -1,0 +1,134 @@
+"""The tokenizer of a Hugging Face model directory, as transformers' AutoTokenizer reads it.
+
+tokenizer.json (the `tokenizers` library's own format: vocabulary, merges, pre-tokenizer,
+post-processor, added tokens) encodes and decodes; tokenizer_config.json names the special
+tokens (bos / eos / unk / pad: a string or {"content": ...}), whether decoding cleans up
+spaces before punctuation (not for a BPE model, as transformers 5), and the chat template
+(a string, or a list of named templates of which "default" is used); a chat_template.jinja
+file, which newer transformers writes instead, takes precedence. generation_config.json's
+eos_token_id (one id or a list) adds end-of-turn tokens. Raw text is encoded with tokenizer.json's post-processor, as
+`tokenizer(text)` does (add_special_tokens=True: a Llama's BOS); a rendered chat template
+without it, as `apply_chat_template` does (the template writes its own special tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import xxhash
+from tokenizers import Tokenizer
+
+from kvpool.models.tokenizer import ChatTokenizer
+
+TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+CHAT_TEMPLATE_FILE, GENERATION_CONFIG = "chat_template.jinja", "generation_config.json"
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def is_hf_directory(path: str | Path) -> bool:
+    """Whether `path` is a Hugging Face model directory (it holds a config.json)."""
+    return (Path(path) / "config.json").is_file()
+
+
+def has_hf_tokenizer(directory: str | Path) -> bool:
+    """Whether `directory` holds a tokenizer.json (an HF model that takes text)."""
+    return (Path(directory) / TOKENIZER_JSON).is_file()
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file; {} when it is absent; ValueError naming the file otherwise."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object (a {type(data).__name__})")
+    return data
+
+
+def _token_text(path: Path, key: str, value: Any) -> str | None:
+    """A special token's text from its tokenizer_config.json entry (None: not set)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(f"{path}: {key} is {value!r}, not a token's text")
+
+
+def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
+    jinja_file = directory / CHAT_TEMPLATE_FILE
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{jinja_file}: not readable UTF-8 text ({e})") from None
+    template = config.get("chat_template")
+    where = directory / TOKENIZER_CONFIG
+    if isinstance(template, list):  # named templates: transformers uses "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise ValueError(f"{where}: chat_template lists {sorted(map(str, named))}, none named 'default'")
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{where}: chat_template is a {type(template).__name__}, not a template's text")
+    return template
+
+
+def _eos_ids(directory: Path) -> tuple[int, ...]:
+    path = directory / GENERATION_CONFIG
+    eos = _json_object(path).get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id is {eos!r}, not a token id or a list of them")
+    return tuple(ids)
+
+
+def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
+    """The ChatTokenizer of an HF model directory. ValueError in one line naming the file for
+    a missing or malformed tokenizer.json, a malformed tokenizer_config.json /
+    generation_config.json / chat_template.jinja, or a special token the vocabulary lacks."""
+    d = Path(directory)
+    path = d / TOKENIZER_JSON
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file (kvpool reads an HF model's text through its tokenizer.json)")
+    try:
+        raw = path.read_bytes()
+        tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as e:  # (the library raises a bare Exception: "expected value at line 1 column 1")
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path}: not a tokenizers tokenizer.json ({reason})") from None
+    config_path = d / TOKENIZER_CONFIG
+    config = _json_object(config_path)
+    names = {key: _token_text(config_path, key, config.get(key)) for key in _SPECIAL_NAMES}
+    ids: dict[str, int | None] = {}
+    for key, text in names.items():
+        ids[key] = None if text is None else tokenizer.token_to_id(text)
+        if text is not None and ids[key] is None and key in ("bos_token", "eos_token"):
+            raise ValueError(f"{config_path}: {key} {text!r} is not in {path.name}'s vocabulary")
+    stops = tuple(i for i in _eos_ids(d) if i != ids["eos_token"])
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    if any(i >= vocab for i in stops):
+        raise ValueError(f"{d / GENERATION_CONFIG}: eos_token_id {list(stops)} is past the vocabulary ({vocab})")
+    template = _chat_template(d, config)
+    version = "hf-tokenizer:" + xxhash.xxh3_64_hexdigest(raw + b"\0" + json.dumps(config, sort_keys=True).encode())
+    return ChatTokenizer(
+        tokenizer,
+        template,
+        ids["bos_token"],
+        ids["eos_token"],
+        add_bos_token=False,  # (tokenizer.json's post-processor adds a BOS where the model takes one)
+        version=version,
+        template_source=f"{d}'s",
+        # what transformers passes a template besides the messages: its special tokens' texts
+        template_vars={"tools": None, "documents": None, **{k: v for k, v in names.items() if v is not None}},
+        stop_token_ids=stops,
+        post_process=True,
+        # (transformers 5 ignores the flag for a BPE model: the clean-up would drop spaces BPE kept)
+        clean_up_spaces=config.get("clean_up_tokenization_spaces") is True and type(tokenizer.model).__name__ != "BPE",
+    )

@@ -1,0 +1,228 @@
+"""An HF model directory through every text command: its tokenizer (models/hf_tokenizer.py)
+against transformers' AutoTokenizer on a tiny BPE that transformers' save_pretrained wrote
+(ids with special tokens, decode, the rendered chat template and its ids); `kvpool generate`
+on a tiny random Qwen2 saved with save_pretrained against transformers' greedy generate on
+the same weights; `kvpool serve` answering a chat completion through the official openai
+client; `kvpool run --model DIR --disk-cache` hitting what an earlier run stored, and
+missing it once the weights are other. Missing or malformed files: one line naming the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvpool
+from hf_tiny import save_tokenizer
+from kvpool.cli.main import main
+from kvpool.engine.build import build_engine, load_model
+from kvpool.engine.sampling import SamplingParams
+from kvpool.models.hf_tokenizer import load_hf_tokenizer
+from test_qwen2 import hf_model, hf_weights
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXTS = [
+    "Hello world!",
+    "The quick brown fox isn't lazy , is it ?",
+    "<|im_start|>user\nkeys<|im_end|> and <s> inside text",
+    "digits 1234567 and émoji 🙂 bytes",
+    "",
+]
+CHAT = [
+    {"role": "user", "content": "Hello there, fox."},
+    {"role": "assistant", "content": "The lazy dog isn't here!"},
+]
+
+
+@pytest.mark.parametrize("bos", [False, True], ids=["qwen2-like", "bos"])
+def test_the_directory_tokenizer_equals_transformers_autotokenizer(tmp_path, bos):
+    save_tokenizer(tmp_path, bos=bos)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tok = load_hf_tokenizer(tmp_path)
+    for text in TEXTS:
+        ids = ref(text).input_ids
+        assert tok.encode(text) == ids, text
+        assert (ids[:1] == [ref.bos_token_id]) == (bos and True), text  # the post-processor's BOS, or none
+        for skip in (False, True):
+            assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
+    specials = [ref.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<s>", "<|im_end|>")]
+    mixed = [*specials, *ref("fox")["input_ids"], specials[2]]
+    assert tok.decode(mixed, skip_special_tokens=False) == ref.decode(mixed)
+    assert tok.decode(mixed) == ref.decode(mixed, skip_special_tokens=True) == "fox"
+    for messages in (CHAT, CHAT[:1]):
+        rendered = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert tok.render_chat(messages) == rendered
+        assert rendered.startswith("<s><|im_start|>user\n")  # (bos_token reached the template)
+        ids = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        assert tok.encode_chat(messages) == ids
+        assert ids.count(ref.bos_token_id) == 1  # the template's BOS alone: no second one
+    assert (tok.bos_token_id, tok.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
+
+
+def test_clean_up_tokenization_spaces_leaves_a_bpe_decode_as_transformers_does(tmp_path):
+    save_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tok = load_hf_tokenizer(tmp_path)
+    ids = ref(TEXTS[1]).input_ids
+    # transformers 5 ignores the flag for BPE (the clean-up would drop spaces the text had)
+    assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True) == TEXTS[1]
+
+
+def _file_error(tmp_path, capsys, argv) -> str:
+    capsys.readouterr()  # (save_pretrained's progress bar)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "name, text, match",
+    [
+        ("tokenizer.json", None, "tokenizer.json: no such file"),
+        ("tokenizer.json", "{not json", "tokenizer.json: not a tokenizers tokenizer.json"),
+        ("tokenizer.json", "[]", "tokenizer.json: not a tokenizers tokenizer.json"),
+        ("tokenizer_config.json", "{", "tokenizer_config.json: not a JSON file"),
+        ("tokenizer_config.json", '{"eos_token": "<nope>"}', "eos_token '<nope>' is not in tokenizer.json's"),
+        ("tokenizer_config.json", '{"eos_token": 7}', "tokenizer_config.json: eos_token is 7, not a token's text"),
+        ("generation_config.json", '{"eos_token_id": "x"}', "generation_config.json: eos_token_id is 'x'"),
+        ("chat_template.jinja", "{% for %}", "chat template is not valid jinja (line 1)"),
+    ],
+)
+def test_a_missing_or_malformed_tokenizer_file_is_one_line_naming_it(tmp_path, capsys, name, text, match):
+    path = _qwen2_dir(tmp_path / "m")
+    if text is None:
+        (path / name).unlink()
+    else:
+        (path / name).write_text(text)
+    err = _file_error(tmp_path, capsys, ["generate", "hi", "--model", str(path), "--max-tokens", "2"])
+    assert match in err and (name in err or "chat template" in match), err
+
+
+def _qwen2_dir(path: Path, dtype: torch.dtype = torch.float64, seed: int = 7):
+    """A tiny random Qwen2 (test_qwen2's weights) and the tiny tokenizer, saved by transformers."""
+    model = hf_model(hf_weights(False, seed), False, dtype)
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    raw = json.loads((path / "config.json").read_text())  # (room for run's workload)
+    (path / "config.json").write_text(json.dumps({**raw, "max_position_embeddings": 2048}))
+    return path
+
+
+def _hf_greedy(path: Path, dtype: torch.dtype, ids: list[int], n: int) -> tuple[list[int], float]:
+    """transformers' greedy continuation of `ids` and the smallest top-1 / top-2 logit gap on the way."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    top2 = [s[0].double().topk(2).values for s in out.scores]
+    return out.sequences[0, len(ids) :].tolist(), min(float(a - b) for a, b in top2)
+
+
+def test_generate_on_an_hf_directory_gives_transformers_greedy_tokens(tmp_path, capsys):
+    path = _qwen2_dir(tmp_path / "qwen2")
+    n = 12
+    loaded = load_model(str(path), dtype=torch.float64, device="cpu")
+    prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": "Hello world"}])
+    engine = build_engine(loaded, num_blocks=16, block_size=16)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    ours = engine.output(rid).completions[0].token_ids
+    ref64, _ = _hf_greedy(path, torch.float64, prompt, n)
+    assert ours == ref64  # fp64: the same argmax throughout
+    # the CLI in fp32 (its default): the same tokens where transformers' fp32 margins leave no doubt
+    ref32, gap = _hf_greedy(path, torch.float32, prompt, n)
+    assert ref32 == ref64 and gap > 1e-3, gap
+    argv = ["generate", "Hello world", "--model", str(path), "--max-tokens", str(n), "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prompt_tokens"] == len(prompt) and report["load_source"] == "safetensors"
+    stop = set(loaded.tokenizer.stop_token_ids) | {loaded.tokenizer.eos_token_id}
+    end = next((i + 1 for i, t in enumerate(ref64) if t in stop), n)  # the CLI stops at an end of turn
+    assert report["token_ids"] == ref64[:end]
+    assert report["text"] == loaded.tokenizer.decode(ref64[:end])
+
+
+def test_serve_answers_a_chat_completion_from_an_hf_directory(tmp_path):
+    openai = pytest.importorskip("openai")
+    path = _qwen2_dir(tmp_path / "qwen2")
+    src = str(Path(kvpool.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool", "serve", "--model", str(path), "--port", "0", "--kv-memory", "4MiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline, line = time.monotonic() + 120, ""
+        while "ready on " not in line and time.monotonic() < deadline and proc.poll() is None:
+            if select.select([proc.stdout], [], [], 1)[0]:
+                line = proc.stdout.readline()
+        assert "ready on " in line, proc.stderr.read() if proc.poll() is not None else "not ready in 120 s"
+        url = line.split("ready on ", 1)[1].split()[0]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60)
+        assert [m.id for m in client.models.list()] == ["qwen2"]
+        reply = client.chat.completions.create(
+            model="qwen2", messages=[{"role": "user", "content": "Hello world"}], max_tokens=6, temperature=0
+        )
+        loaded = load_model(str(path), dtype=torch.float32, device="cpu")
+        prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": "Hello world"}])
+        ref, _ = _hf_greedy(path, torch.float32, prompt, 6)
+        stop = set(loaded.tokenizer.stop_token_ids) | {loaded.tokenizer.eos_token_id}
+        end = next((i for i, t in enumerate(ref) if t in stop), 6)
+        assert reply.choices[0].message.content == loaded.tokenizer.decode(ref[:end])
+        assert reply.usage.prompt_tokens == len(prompt)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "cache integrity ok, 0 blocks held" in err, err
+
+
+def test_run_on_an_hf_directory_uses_the_disk_tier_by_its_weights_digest(tmp_path, capsys):
+    path = _qwen2_dir(tmp_path / "qwen2", torch.float32)
+    disk = tmp_path / "disk"
+    argv = ["run", "--model", str(path), "--num-requests", "3", "--turns", "1", "--num-long", "0", "--seed", "1"]
+    argv += ["--request-rate", "inf", "--max-tokens", "2", "--kv-memory", "2MiB", "--json", "--disk-cache", str(disk)]
+
+    def run() -> dict:
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out)
+
+    first = run()
+    assert first["num_finished"] == 3 and _disk_hits(first) == 0 and first["disk_tier"]["num_puts"] > 0
+    again = run()  # a new process's engine: only the disk tier holds the prompts' blocks
+    assert _disk_hits(again) > 0, again
+    _qwen2_dir(path, torch.float32, seed=8)  # other weights in the same directory, same tokenizer
+    other = run()
+    assert _disk_hits(other) == 0 and other["disk_tier"]["num_puts"] > 0, other["disk_tier"]
+    assert _disk_hits(run()) > 0  # the other weights' own blocks: they hit in turn
+
+
+def _disk_hits(report: dict) -> int:
+    return report["disk_tier"]["hit_tokens"]
