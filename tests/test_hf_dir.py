@@ -166,6 +166,17 @@ def test_generate_on_an_hf_directory_gives_transformers_greedy_tokens(tmp_path, 
     assert report["text"] == loaded.tokenizer.decode(ref64[:end])
 
 
+def test_the_llm_class_chats_with_an_hf_directory(tmp_path):
+    from kvpool import LLM
+
+    path = _qwen2_dir(tmp_path / "qwen2", torch.float32)
+    llm = LLM(str(path), kv_cache_bytes=1 << 20)
+    out = llm.chat("Hello world", SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Hello world"}])
+    ref, gap = _hf_greedy(path, torch.float32, prompt, 5)
+    assert gap > 1e-3 and out.token_ids == ref and out.prompt_token_ids == prompt
+
+
 def test_serve_answers_a_chat_completion_from_an_hf_directory(tmp_path):
     openai = pytest.importorskip("openai")
     path = _qwen2_dir(tmp_path / "qwen2")

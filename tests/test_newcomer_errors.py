@@ -183,7 +183,8 @@ def test_the_python_apis_model_names_the_embedded_one(model, tail):
 
     with pytest.raises(ValueError) as raised:
         gguf_path(model)
-    assert str(raised.value) == f"model {model!r} is neither 'smollm2-135m' nor a GGUF file{tail}"
+    neither = "neither 'smollm2-135m' nor a GGUF file nor an HF model directory"
+    assert str(raised.value) == f"model {model!r} is {neither}{tail}"
 
 
 def _help(capsys: pytest.CaptureFixture[str], command: str) -> str:

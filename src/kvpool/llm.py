@@ -37,19 +37,22 @@ Message = dict[str, str]  # {"role": "user" | "system" | "assistant", "content":
 
 def gguf_path(model: str | None) -> str | None:
     """The GGUF file `model` names: None for the embedded SmolLM2 (None, or "smollm2-135m" in
-    any case, as the commands' --model), else the path of an existing file."""
+    any case, as the commands' --model), else the path of an existing file or HF model
+    directory (config.json, safetensors, tokenizer.json)."""
     if model is not None and not isinstance(model, str):
         raise TypeError(f"model must be a name or a GGUF path, got {type(model).__name__}")
     if model is None or (model.lower() == DEFAULT_MODEL and not os.path.exists(model)):
         return None
-    if not os.path.isfile(model):
+    if not os.path.isfile(model) and not os.path.isfile(os.path.join(model, "config.json")):  # (an HF directory)
         # vLLM's LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct") or a typo ("smollm2"): the
         # embedded model named; a Hugging Face id is not fetched
         base = model.lower().rstrip("/").rsplit("/", 1)[-1]
         meant = base.startswith(DEFAULT_MODEL) or difflib.SequenceMatcher(None, base, DEFAULT_MODEL).ratio() >= 0.6
         hint = f" (did you mean {DEFAULT_MODEL!r}?)" if meant else ""
         where = "" if model.lower().endswith(".gguf") else "; nothing is downloaded"
-        raise ValueError(f"model {model!r} is neither {DEFAULT_MODEL!r} nor a GGUF file{hint}{where}")
+        raise ValueError(
+            f"model {model!r} is neither {DEFAULT_MODEL!r} nor a GGUF file nor an HF model directory{hint}{where}"
+        )
     return model
 
 
