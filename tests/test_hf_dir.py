@@ -82,6 +82,27 @@ def test_clean_up_tokenization_spaces_leaves_a_bpe_decode_as_transformers_does(t
     assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True) == TEXTS[1]
 
 
+def test_a_template_sees_what_transformers_gives_it(tmp_path):
+    save_tokenizer(tmp_path)
+    template = (
+        "{% if tools %}tools{% endif %}{{ eos_token }}|{{ pad_token }}|{{ strftime_now('%Y-%m') }}|"
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    (tmp_path / "chat_template.jinja").write_text(template)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    rendered = ref.apply_chat_template(CHAT, tokenize=False)
+    assert load_hf_tokenizer(tmp_path).render_chat(CHAT, add_generation_prompt=False) == rendered
+    assert rendered.startswith("<|im_end|>|<|endoftext|>|20") and rendered.endswith("|Hello there, fox.")
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path, capsys):
+    path = _qwen2_dir(tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "vocab_size": 200}))
+    err = _file_error(tmp_path, capsys, ["generate", "hi", "--model", str(path)])
+    assert "tokenizer.json has 290 tokens, past config.json's vocab_size 200" in err, err
+
+
 def _file_error(tmp_path, capsys, argv) -> str:
     capsys.readouterr()  # (save_pretrained's progress bar)
     assert main(argv) == 2
