@@ -187,6 +187,30 @@ def test_generate_on_an_hf_directory_gives_transformers_greedy_tokens(tmp_path, 
     assert report["text"] == loaded.tokenizer.decode(ref64[:end])
 
 
+def test_generate_no_chat_on_an_hf_llama_directory_takes_the_bos_and_transformers_tokens(tmp_path, capsys):
+    from random_llama import TINY_HF_LLAMA
+
+    config = transformers.LlamaConfig(**{**TINY_HF_LLAMA, "max_position_embeddings": 2048})
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # (transformers' init draws small weights: spread the logits apart)
+        model.lm_head.weight.mul_(40)
+    path = tmp_path / "llama"
+    model.save_pretrained(path)
+    ref_tok = save_tokenizer(path, bos=True)
+    prompt = ref_tok("The quick brown fox").input_ids
+    assert prompt[0] == ref_tok.bos_token_id
+    ref, gap = _hf_greedy(path, torch.float32, prompt, 8)
+    assert gap > 1e-3, gap
+    capsys.readouterr()
+    argv = ["generate", "The quick brown fox", "--no-chat", "--model", str(path), "--max-tokens", "8", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prompt_tokens"] == len(prompt)
+    end = next((i + 1 for i, t in enumerate(ref) if t == ref_tok.eos_token_id), 8)
+    assert report["token_ids"] == ref[:end]
+
+
 def test_the_llm_class_chats_with_an_hf_directory(tmp_path):
     from kvpool import LLM
 
