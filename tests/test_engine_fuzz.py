@@ -626,3 +626,26 @@ def test_a_retried_readmission_counts_as_one_readmission(family) -> None:
     clean = _check(family, 1, 9, 4, options, requests, {"reset": frozenset(), "calls": {}})
     assert clean.runner.cache.stats.num_readmissions == 1 and clean.num_preemptions == 1
     assert faulty.runner.cache.stats == clean.runner.cache.stats
+
+
+@pytest.mark.parametrize("family", ["gemma", "recurrent", "dsv4"])
+@pytest.mark.parametrize("step", [0, 2])
+def test_a_sequence_recomputed_after_a_fault_counts_its_request_once(family, step) -> None:
+    """The forward of step 0 (r0's admission step) or step 2 (r0 computed steps) raises: the
+    hybrid / V4 engine releases the step's sequences and admits them again to recompute
+    them. Their readmission counted as a new first admission (num_requests 2 for 1 request);
+    now the cache's stats are the run's without the fault, as the Llama path's (which
+    reserves the step again) are."""
+    options = {"prefix": True, "max_num_seqs": 2}
+    if family in ("gemma", "recurrent"):
+        options |= {"num_slots": 4, "interval": 1}
+    else:
+        options["num_slots"] = 2
+    block_size = 16 if family == "dsv4" else 1
+    prompt = list(range(40, 40 + (20 if family == "dsv4" else 5)))
+    requests = [(prompt, SamplingParams(max_tokens=5), 0, None, None, "")]
+    faulty = _check(family, block_size, 16, 64, options, requests, {step: "after", "reset": frozenset(), "calls": {}})
+    clean = _check(family, block_size, 16, 64, options, requests, {"reset": frozenset(), "calls": {}})
+    assert faulty.stats.num_fault_recomputes == 1 and clean.stats.num_fault_recomputes == 0
+    assert faulty.runner.cache.stats.num_requests == 1
+    assert faulty.runner.cache.stats == clean.runner.cache.stats

@@ -227,6 +227,10 @@ class _Request:
     # gave the admission up (`give_up_admission`: it admits the request again)
     counted: tuple[int, int, int] = (0, 0, 0)
     given_up: bool = False
+    # Released to be admitted again and recomputed (`will_recompute`: a step's fault), and an
+    # admission of such a request: counted once already, it counts nothing
+    recompute: bool = False
+    uncounted: bool = False
     joined_at: int = 0  # the coordinator's `_requests_version` when it joined (`_add_request`)
     # The admission's hit point: a swap's restore (`restore_tail`, `restore_swapped_state`)
     # follows the admission, before any step; -1: none (a fork's child)
@@ -367,6 +371,7 @@ class HybridCacheManager:
         # for the other rows only, and the next reserve checks a hole as a new row
         self._decode_step: _DecodeMemo | None = None
         self._preempted: set[str] = set()  # released by preemption, not yet admitted again
+        self._recomputing: set[str] = set()  # released to be recomputed (`will_recompute`), not yet admitted again
         # The requests whose admission's lower-tier blocks are still loading (`num_loading`,
         # until `complete_loads`): a commit that names one is refused (`commit_step`), one
         # test a step while none loads (a cache without a lower tier: always)
@@ -1325,6 +1330,7 @@ class HybridCacheManager:
         self._add_request(req)
         self._fresh.add(request_id)
         req.readmitted = request_id in self._preempted
+        req.uncounted = request_id in self._recomputing
         self._count_admission(req)
         step = self._apply_reserve([req], [end]) if n else {}
         self._decode_step = memo  # (its rows were admitted before this request, which joined last)
@@ -1373,10 +1379,11 @@ class HybridCacheManager:
         req.num_computed += loaded_tokens
         req.num_loading = 0
         self._loading.discard(request_id)
-        self.stats.num_lower_tier_hit_tokens += loaded_tokens
-        queried, hits, loaded = req.counted
-        req.counted = (queried, hits, loaded + loaded_tokens)
-        self._count_hit(req, loaded_tokens)
+        if not req.uncounted:
+            self.stats.num_lower_tier_hit_tokens += loaded_tokens
+            queried, hits, loaded = req.counted
+            req.counted = (queried, hits, loaded + loaded_tokens)
+            self._count_hit(req, loaded_tokens)
         # exact steps: the step reserved (the admission's, from the loads' start) is committed
         # whole: the tokens of the blocks not loaded join it, past the budget by them
         n = req.end - req.num_computed if self.exact_steps else min(req.budget, len(req.token_ids) - req.num_computed)
@@ -1384,6 +1391,10 @@ class HybridCacheManager:
         return Admission(req.num_computed, n, self._admission_parts(req))
 
     def _count_admission(self, req: _Request) -> None:
+        if req.uncounted:  # (admitted again to be recomputed: it counted at its first admission)
+            self._recomputing.discard(req.request_id)
+            self._preempted.discard(req.request_id)
+            return
         if req.readmitted:
             self._preempted.discard(req.request_id)
             self.stats.num_readmissions += 1
@@ -1395,6 +1406,8 @@ class HybridCacheManager:
 
     def _count_hit(self, req: _Request, num_tokens: int) -> None:
         """`num_tokens` more of the request's prefix came from the cache (or a lower tier)."""
+        if req.uncounted:
+            return
         if req.readmitted:
             self.stats.num_readmitted_hit_tokens += num_tokens
         else:
@@ -1410,8 +1423,20 @@ class HybridCacheManager:
         one). KeyError for a request not admitted."""
         self._requests[request_id].given_up = True
 
+    def will_recompute(self, request_id: str) -> None:
+        """The caller releases the request next and admits it again to recompute it (the
+        engine, after a step's fault where the step cannot be reserved again: a cache of exact
+        steps, an executor with per-request state). Counted at its admission already, its
+        next admission counts nothing (queried, hit or lower-tier tokens, a readmission): the
+        stats are the run's without the fault, as where the step is reserved again. KeyError
+        for a request not admitted."""
+        self._requests[request_id].recompute = True
+
     def _uncount_admission(self, req: _Request) -> None:
         """The request's admission as if never counted (`give_up_admission`)."""
+        if req.uncounted:  # (it counted nothing: its next admission counts nothing either)
+            self._recomputing.add(req.request_id)
+            return
         stats, (queried, hits, loaded) = self.stats, req.counted
         stats.num_lower_tier_hit_tokens -= loaded
         if req.readmitted:
@@ -2100,10 +2125,13 @@ class HybridCacheManager:
         # (a cancel of a preempted request that waits, say) clears the mark.
         if reason != "preempt":
             self._preempted.discard(request_id)
+        self._recomputing.discard(request_id)
         if req is None:
             return False
         if req.given_up:
             self._uncount_admission(req)
+        elif req.recompute:
+            self._recomputing.add(request_id)
         if reason == "preempt":
             self._preempted.add(request_id)
         elif reason == "finish" and self.turn_end_checkpoints and req.end == req.num_computed:
@@ -2151,6 +2179,7 @@ class HybridCacheManager:
             )
         if self._resolved_distinct is not None:
             assert self._resolved_distinct == (len(set(self._resolved_list)) == len(self._resolved_list))
+        assert not self._recomputing & self._requests.keys(), "a request marked to recompute is admitted"
         memo = self._decode_step
         if memo is not None:  # the last decode step's memo (see __init__)
             reqs, ends, touched, pending, starts, holes = memo

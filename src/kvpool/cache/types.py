@@ -193,7 +193,8 @@ class PrefixStats:
     """Prefix-cache counters over first admissions. A request re-admitted after preemption
     hits its own blocks again: those hits are counted apart, not in the hit rate. An
     admission the caller gives up to retry (`give_up_admission`) is taken back at its
-    release: each request counts once."""
+    release, and a request released to be recomputed after a step's fault
+    (`will_recompute`) counts nothing when admitted again: each request counts once."""
 
     num_requests: int = 0
     num_queried_tokens: int = 0  # prompt tokens looked up at first admission

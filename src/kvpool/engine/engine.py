@@ -917,8 +917,12 @@ class Engine:
             may_reserve_again = getattr(self.runner, "may_reserve_again", None)
             if may_reserve_again is None or may_reserve_again():
                 return
+        # (the cache told: admitted again, the sequence counts nothing more in its stats)
+        will_recompute = getattr(self.runner, "will_recompute", None)
         for seq in reversed(self._scheduled):
             if seq.in_runner:
+                if will_recompute is not None:
+                    will_recompute(seq.seq_id)
                 self._preempt(seq, "cancel", release=False)
         self._release_pending()  # (after every sequence's bookkeeping: one that raises leaves none half done)
 

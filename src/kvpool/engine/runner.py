@@ -597,6 +597,11 @@ class ModelRunner:
             self.step_buffers.clear()
         return not self.cache.exact_steps and not self.executor.has_state
 
+    def will_recompute(self, request_id: str) -> None:
+        """The engine releases the request next, to admit it again and recompute it (a step's
+        fault): the cache counts that admission nothing (`HybridCacheManager.will_recompute`)."""
+        self.cache.will_recompute(request_id)
+
     def append_token_ids(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Sampled tokens join the request (their KV is computed by a later step)."""
         self.cache.append_token_ids(request_id, token_ids)
