@@ -36,9 +36,12 @@ The runner applies the copies (`take_copies`), restores and snapshots the groups
 
 from __future__ import annotations
 
+import _signal  # (signal's own calls, without its enum wrappers: `_InterruptsHeld`)
 import math
 import operator
+import signal
 import sys
+import threading
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -231,6 +234,11 @@ class _Request:
     # admission of such a request: counted once already, it counts nothing
     recompute: bool = False
     uncounted: bool = False
+    # A release under way (`release`): its bookkeeping done, and how many of the groups (in
+    # `_group_list` order) have released their part; one that raised left the rest to a
+    # repeat of the release, the request admitted till then (nothing but a release follows)
+    releasing: bool = False
+    num_released: int = 0
     joined_at: int = 0  # the coordinator's `_requests_version` when it joined (`_add_request`)
     # The admission's hit point: a swap's restore (`restore_tail`, `restore_swapped_state`)
     # follows the admission, before any step; -1: none (a fork's child)
@@ -2120,26 +2128,39 @@ class HybridCacheManager:
         slot holds it: nothing to copy), an attention group's partial last block."""
         if reason not in RELEASE_REASONS:
             raise ValueError(f"unknown release reason {reason!r}; one of {RELEASE_REASONS}")
-        req = self._pop_request(request_id)
-        # `_preempted` stays exact: a preemption marks the request; any other release of it
-        # (a cancel of a preempted request that waits, say) clears the mark.
-        if reason != "preempt":
-            self._preempted.discard(request_id)
-        self._recomputing.discard(request_id)
+        req = self._requests.get(request_id)
         if req is None:
+            # `_preempted` stays exact: a preemption marks the request; any other release of
+            # it (a cancel of a preempted request that waits, say) clears the mark.
+            if reason != "preempt":
+                self._preempted.discard(request_id)
+            self._recomputing.discard(request_id)
             return False
-        if req.given_up:
-            self._uncount_admission(req)
-        elif req.recompute:
-            self._recomputing.add(request_id)
-        if reason == "preempt":
-            self._preempted.add(request_id)
-        elif reason == "finish" and self.turn_end_checkpoints and req.end == req.num_computed:
-            for name, g in self.groups.items():
-                g.keep_turn_end(req.states[name], req.token_ids, req.mm_items, req.num_computed)
-        self._fresh.discard(request_id)
-        for name, g in self.groups.items():
-            g.release(req.states[name])
+        # All or nothing: Ctrl-C is held off till the request is gone (`_InterruptsHeld`), and
+        # a group's release that raises leaves the request admitted, the groups before it
+        # released: a repeat of the release goes on from that group (check_integrity holds)
+        with _InterruptsHeld():
+            if not req.releasing:
+                req.releasing = True
+                if reason != "preempt":
+                    self._preempted.discard(request_id)
+                self._recomputing.discard(request_id)
+                if req.given_up:
+                    self._uncount_admission(req)
+                elif req.recompute:
+                    self._recomputing.add(request_id)
+                if reason == "preempt":
+                    self._preempted.add(request_id)
+                elif reason == "finish" and self.turn_end_checkpoints and req.end == req.num_computed:
+                    for name, g in self.groups.items():
+                        g.keep_turn_end(req.states[name], req.token_ids, req.mm_items, req.num_computed)
+                self._fresh.discard(request_id)
+            groups, states = self._group_list, req.states
+            while req.num_released < len(groups):
+                g = groups[req.num_released]
+                g.release(states[g.name])
+                req.num_released += 1
+            self._pop_request(request_id)
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -2209,7 +2230,7 @@ class HybridCacheManager:
         for rid, req in self._requests.items():
             known = len(req.token_ids)
             num_loading = sum(len(g.loads(req.states[name])) * g.granularity for name, g in self.groups.items())
-            assert req.num_loading == num_loading, (
+            assert req.releasing or req.num_loading == num_loading, (
                 f"request {rid!r} loads {num_loading} tokens, counts {req.num_loading}"
             )
             if not 0 <= req.num_computed <= req.end or (self.exact_steps and req.end > known):
@@ -2224,25 +2245,62 @@ class HybridCacheManager:
                 )
             if set(req.states) != set(self.groups):
                 raise AssertionError(f"request {rid!r} has state in groups {sorted(req.states)}")
-            for name, g in self.groups.items():
-                g.check_state(rid, req.states[name], req.token_ids, req.num_computed, req.end, holders[g.pool])
+            assert req.releasing or not req.num_released, f"request {rid!r}: groups released, no release under way"
+            # (a release that raised: the groups before `num_released` hold nothing of it)
+            for g in self._group_list[req.num_released :]:
+                g.check_state(rid, req.states[g.name], req.token_ids, req.num_computed, req.end, holders[g.pool])
         for pool, groups in self._pools.items():
             groups[0].check_holders(holders[pool])
             if len(groups) > 1:
                 self._check_owners(groups)
-        for name, g in self.groups.items():
-            g.check_states({rid: req.states[name] for rid, req in self._requests.items()})
+        for i, g in enumerate(self._group_list):
+            g.check_states({rid: req.states[g.name] for rid, req in self._requests.items() if req.num_released <= i})
 
     def _check_owners(self, groups: list[CacheGroup]) -> None:
         """On a shared pool a block is held by the requests of one group only."""
         owner: dict[int, str] = {}
         for g in groups:
+            i = self._group_list.index(g)
             for rid, req in self._requests.items():
+                if req.num_released > i:  # (released: it holds nothing in g)
+                    continue
                 for b in g.held_blocks(req.states[g.name]):
                     if owner.setdefault(b, g.name) != g.name:
                         raise AssertionError(
                             f"shared pool: block {b} is held by groups {owner[b]!r} and {g.name!r} ({rid!r})"
                         )
+
+
+class _InterruptsHeld:
+    """A block of code Ctrl-C does not cut in two: in the main thread, while Python's own
+    SIGINT handler is set (the one that raises KeyboardInterrupt between any two bytecodes),
+    a SIGINT received inside the block is noted and its KeyboardInterrupt raised once the
+    block is done (also where it raised: the interrupt wins). Elsewhere (another thread,
+    which gets no KeyboardInterrupt, or a handler of the caller's) nothing is changed. Not
+    nested: an inner block finds the outer's handler set and leaves it. 2.2 us a block (the
+    C module's calls: signal.getsignal / signal.signal with a Python handler set cost 8 and
+    10 us each, their enum conversion's ValueError; `python -m timeit`, 2026-12-07)."""
+
+    __slots__ = ("_held", "_received")
+
+    def __enter__(self) -> None:
+        self._received = False
+        self._held = threading.get_ident() == _MAIN_THREAD_ID and _signal.getsignal(_SIGINT) is _DEFAULT_INT_HANDLER
+        if self._held:
+            _signal.signal(_SIGINT, self._note)
+
+    def _note(self, signum: int, frame: object) -> None:
+        self._received = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._held:
+            _signal.signal(_SIGINT, _DEFAULT_INT_HANDLER)
+            if self._received:
+                raise KeyboardInterrupt
+
+
+_MAIN_THREAD_ID = threading.main_thread().ident
+_SIGINT, _DEFAULT_INT_HANDLER = int(signal.SIGINT), signal.default_int_handler
 
 
 def _check_id(request_id: object) -> None:
