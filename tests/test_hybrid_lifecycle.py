@@ -159,6 +159,16 @@ class Lifecycle(RuleBasedStateMachine):
         """Where the model keeps a dual pool's checkpoint of `slot` (slots are numbered after the state blocks)."""
         return slot
 
+    def _apply_spills(self) -> None:
+        """The kept turn-end states an admission or a fork spilled (its state block taken),
+        copied into their checkpoints, as the runner does before anything writes the state
+        blocks (`take_spills`; the model copied none: a spilled turn end's hit found no
+        checkpoint)."""
+        for g in self.m.dual_groups:
+            states = self.states[g.name]
+            for state_slot, checkpoint_slot in g.take_spills():
+                states[self._ckpt_key(checkpoint_slot)] = states[state_slot]
+
     def _new_id(self) -> str:
         self.next_id += 1
         return f"r{self.next_id}"
@@ -186,6 +196,7 @@ class Lifecycle(RuleBasedStateMachine):
         point = admission.num_cached_tokens
         assert point == expected_hit and point <= len(prompt) - 1
         self.seq[rid], self.tenant[rid] = list(prompt), tenant
+        self._apply_spills()
         self._apply_copies()
         live, src = self.m.part(rid, "rec").state_slot, self.m.part(rid, "rec").restore.checkpoint_slot
         if point:
@@ -247,6 +258,7 @@ class Lifecycle(RuleBasedStateMachine):
             full = [self.m.groups["rec"].pool.num_free, *(g.state_pool.num_free for g in self.m.dual_groups)]
             assert 0 in full, "a fork fails only for want of a state"
             return None
+        self._apply_spills()
         n = self.m.num_computed_tokens(parent)
         self.seq[child] = self.seq[parent][:n]
         self.tenant[child] = self.tenant[parent]
