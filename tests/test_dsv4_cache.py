@@ -1190,3 +1190,39 @@ def test_a_spill_takes_only_free_blocks_and_is_skipped_without_them() -> None:
     assert y is not None and m.take_spills() == [] and g.num_spills == 0
     assert m.num_free_blocks == 0 and m.group_hit_points(_ids(20) + [1]) == {"v4": [0]}
     m.check_integrity()
+
+
+def test_dead_spilled_turn_end_records_are_swept_and_live_ones_kept() -> None:
+    """One state block: each admission takes the kept turn end of the request before it and
+    spills it to a free classical block, which later allocations evict (a dead record).
+    Over 300 conversations the records stay bounded (swept at twice the live ones + 64: they
+    grew by one a spill), and every record still whole is kept and hit at its turn end (a
+    sweep that dropped a live one lost the hit)."""
+    m = make(8, 1, restore="auto", checkpoint_blocks=1, turn_end_checkpoints=True)
+    g = m.groups["v4"]
+    seen = {}  # every record ever filed: its turn end's prompt
+    most = swept_live = hits = 0
+    previous: list[int] = []
+    for i in range(300):
+        prompt = _ids(20, 3 * i + 1)
+        before = len(g._spilled)
+        assert m.admit(f"r{i}", prompt, 0) is not None
+        m.take_spills()
+        if len(g._spilled) < before:  # a sweep ran: the live records it kept (and the new one)
+            swept_live = max(swept_live, len(g._spilled) - 1)
+        for block_hash, ckpt in g._spilled.items():  # (a spill is the turn end of the request before)
+            seen.setdefault(block_hash, (ckpt, previous))
+        _compute(m, f"r{i}", 20)
+        m.release(f"r{i}")  # its turn ends at 20: the state block kept
+        previous = prompt
+        most = max(most, len(g._spilled))
+        for block_hash, (ckpt, p) in seen.items():
+            if all(map(m.pool.is_published, ckpt.parts)):
+                assert g._spilled.get(block_hash) is ckpt, f"a live spilled record swept (conversation {i})"
+                if p != prompt:  # (the request just released holds its own turn end in the state block)
+                    assert 20 in m.group_hit_points([*p, 1])["v4"]
+                    hits += 1
+        m.check_integrity()
+    assert g.num_spills >= 250 and len(seen) >= 250
+    assert most <= 2 * m.pool.num_blocks + 64, most
+    assert swept_live > 0 and hits > 250  # (the sweeps met live records and kept them; each was hit)
