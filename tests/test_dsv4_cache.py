@@ -1160,7 +1160,7 @@ def test_a_kept_turn_end_whose_state_block_is_taken_spills_to_a_pooled_checkpoin
     m.release("x")  # ends on a span boundary: nothing kept, state block 1 free
     b = m.admit("b", follow_up)
     assert b is not None and (b.num_cached_tokens, b.num_scheduled_tokens) == (40, 3)
-    assert b.groups["v4"].block_ids == (0, 1) and b.groups["v4"].restore == StateRestore(1, "checkpoint", 8)
+    assert b.groups["v4"].block_ids == (0, 1) and b.groups["v4"].restore == StateRestore(1, "checkpoint", 8, whole=True)
     assert g.num_spill_hits == 1 and m.stats.num_hit_tokens == 40
     m.check_integrity()
     m.release("y")
@@ -1190,6 +1190,45 @@ def test_a_spill_takes_only_free_blocks_and_is_skipped_without_them() -> None:
     assert y is not None and m.take_spills() == [] and g.num_spills == 0
     assert m.num_free_blocks == 0 and m.group_hit_points(_ids(20) + [1]) == {"v4": [0]}
     m.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # restore by recompute: no checkpoint at all
+        {"restore": "checkpoint", "num_checkpoints": 2},  # slots of their own: no spilled turn end
+        {"restore": "checkpoint", "checkpoint_blocks": 1, "turn_end_checkpoints": True},  # pooled, spills on
+    ],
+)
+def test_check_integrity_refuses_a_checkpoint_restore_the_group_cannot_make(kw) -> None:
+    """A pending restore by checkpoint is checked against what can serve it: at a span
+    boundary a checkpoint slot of the group's (checkpointing on), not a whole state block;
+    inside a span a spilled turn end's whole state block (spills on) in the classical pool.
+    Any restore by checkpoint passed."""
+    m = make(12, 2, **kw)
+    m.admit("a", _ids(20), 0)
+    _compute(m, "a", 20)  # inside span 1
+    m.admit("b", _ids(32, 100), 0)
+    _compute(m, "b", 32)  # at a span boundary
+    g = m.groups["v4"]
+    a, b = m._requests["a"].states["v4"], m._requests["b"].states["v4"]
+    checkpointing, spills = "restore" in kw, "checkpoint_blocks" in kw
+    checkpoint_slot = g._slot_base  # (the first slot a checkpoint can have)
+    for state, whole, ok in ((a, True, spills), (b, False, checkpointing)):
+        state.restore = StateRestore(state.state_slot, "checkpoint", checkpoint_slot, whole=whole)
+        if ok:
+            m.check_integrity()
+        else:
+            with pytest.raises(AssertionError, match="a restore .* pending at"):
+                m.check_integrity()
+        bad_restores = [StateRestore(state.state_slot, "checkpoint", checkpoint_slot, whole=not whole)]
+        bad_restores += [StateRestore(state.state_slot, "checkpoint", bad, whole=whole) for bad in (None, -1, 10**6)]
+        for restore in bad_restores:  # a whole block on the grid, a slot one inside a span; no slot of the group's
+            state.restore = restore
+            with pytest.raises(AssertionError, match="a restore .* pending at"):
+                m.check_integrity()
+        state.restore = None
+        m.check_integrity()
 
 
 def test_dead_spilled_turn_end_records_are_swept_and_live_ones_kept() -> None:

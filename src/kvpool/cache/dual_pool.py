@@ -576,9 +576,9 @@ class DualPoolGroup(CacheGroup):
         self.pool.decref(reversed(restored))
         state = DualPoolState(root, slot, list(plan.hit_ids), list(plan.chain))
         if plan.checkpoint is not None:
-            if plan.checkpoint.parts[0] is plan.checkpoint.block:  # (a spilled turn end's: part 0 is its block)
-                self.num_spill_hits += 1
-            state.restore = StateRestore(slot, "checkpoint", plan.checkpoint.slot)
+            spilled = plan.checkpoint.parts[0] is plan.checkpoint.block  # (a spilled turn end's: part 0 is its block)
+            self.num_spill_hits += spilled
+            state.restore = StateRestore(slot, "checkpoint", plan.checkpoint.slot, whole=spilled)
         elif plan.replay_start is not None:
             state.restore = StateRestore(slot, "recompute", replay_start=plan.replay_start)
         return state, ()
@@ -1008,15 +1008,30 @@ class DualPoolGroup(CacheGroup):
             0 < num_computed
             and restore.state_slot == state.state_slot
             and (
-                restore.method in ("adopt", "swap", "checkpoint")
-                or num_computed % span == 0
-                and restore.replay_start == self.spec.replay_start(num_computed)
+                restore.method in ("adopt", "swap")
+                or (restore.method == "checkpoint" and self._serves_checkpoint(restore, num_computed))
+                or (
+                    restore.method == "recompute"
+                    and num_computed % span == 0
+                    and restore.replay_start == self.spec.replay_start(num_computed)
+                )
             )
         ):
             raise AssertionError(f"{where}: a restore {restore} pending at {num_computed} computed")
         if self.pool.enable_caching:
             chain, root = state.chain, state.root
             check_chain(where, self.pool, chain, root, token_ids, num_computed, span, block_ids=state.block_ids)
+
+    def _serves_checkpoint(self, restore: StateRestore, point: int) -> bool:
+        """Whether a restore by checkpoint at `point` is one this group can make: at a span
+        boundary, from a checkpoint slot (checkpointing on); inside a span, from a spilled
+        turn end only (spills on, `whole`), whose blocks are the classical pool's."""
+        slot = restore.checkpoint_slot
+        if slot is None or not self.checkpointing:
+            return False
+        if point % self.span == 0:
+            return not restore.whole and self._slot_base <= slot < self._slot_base + self.checkpoint_pool.num_blocks
+        return restore.whole and bool(self._spill_parts) and 0 <= slot < self.pool.num_blocks
 
     def check_states(self, states: dict[str, DualPoolState]) -> None:
         """Each request holds one state block of its own, unregistered; the others are

@@ -138,13 +138,16 @@ class StateRestore:
     [replay_start, num_cached_tokens) on top of the cached blocks. "adopt" (V4): the
     state slot is a kept turn-end state that holds the hit's state already: neither reset
     nor copied. "swap" (V4): the runner wrote the state slot from a swapped-out request's
-    tier entry (engine/tier_bridge.py `swap_in`): nothing left to run.
+    tier entry (engine/tier_bridge.py `swap_in`): nothing left to run. `whole` (V4, a
+    "checkpoint"): the checkpoint is a spilled turn end's, a whole state block off the span
+    grid (the copy moves the whole block: the simulator's executor prices it so).
     """
 
     state_slot: int
     method: Literal["none", "checkpoint", "recompute", "adopt", "swap"]
     checkpoint_slot: int | None = None
     replay_start: int = 0
+    whole: bool = False
 
 
 class GroupReservation(NamedTuple):

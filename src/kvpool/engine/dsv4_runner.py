@@ -256,6 +256,10 @@ class DSV4Executor:
     def copy_state(self, src: int, dst: int) -> None:
         self.pools.copy_state(src, dst)
 
+    def copy_whole_state(self, src: int, dst: int) -> None:
+        """A spilled turn end's copy: the state slot whole, as every copy here."""
+        self.copy_state(src, dst)
+
     def window_snapshot(
         self, slot: int, boundary: int, num_rows: int, *, unfinished_span: bool = False
     ) -> dict[str, Tensor]:

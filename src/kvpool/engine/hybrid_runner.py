@@ -164,6 +164,9 @@ class HybridExecutor:
     def copy_state(self, src: int, dst: int) -> None:
         self.attention.recurrent.copy_state(src, dst)
 
+    def copy_whole_state(self, src: int, dst: int) -> None:
+        self.copy_state(src, dst)  # (the slot whole, as every copy here)
+
     def replay(
         self, token_ids: Sequence[int], start: int, block_ids: Sequence[int], state_slot: int, valid_from: int
     ) -> None:

@@ -309,6 +309,9 @@ class LlamaExecutor:
     def copy_state(self, src: int, dst: int) -> None:
         raise AssertionError("a Llama request holds no state slot")
 
+    def copy_whole_state(self, src: int, dst: int) -> None:
+        raise AssertionError("a Llama request holds no state slot")
+
     def replay(
         self, token_ids: Sequence[int], start: int, block_ids: Sequence[int], state_slot: int, valid_from: int
     ) -> None:

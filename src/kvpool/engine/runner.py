@@ -44,7 +44,9 @@ every call without tensors:
   - `to_host(block_ids)` / `to_device(block_ids, blocks)`: one dict of tensors per block
     (the tier entry's layout, `block_layout`), read from or written into the device blocks.
   - `reset_state(slot)`, `copy_state(src, dst)`: a per-request state slot (recurrent or V4
-    state block) zeroed, or copied from another (a checkpoint restored or taken, a fork).
+    state block) zeroed, or copied from another (a checkpoint restored or taken, a fork);
+    `copy_whole_state(src, dst)`: a copy of a whole state block off the span grid (a V4
+    spilled turn end, out or back: `StateRestore.whole`), priced apart by the simulator.
   - `replay(token_ids, start, block_ids, state_slot, valid_from)`: recompute a V4 state
     over tokens [start, start + len(token_ids)) on top of cached blocks (a cost: a forward
     of those tokens with their context).
@@ -308,6 +310,8 @@ class Executor(Protocol):
 
     def copy_state(self, src: int, dst: int) -> None: ...
 
+    def copy_whole_state(self, src: int, dst: int) -> None: ...
+
     def replay(
         self, token_ids: Sequence[int], start: int, block_ids: Sequence[int], state_slot: int, valid_from: int
     ) -> None: ...
@@ -529,8 +533,7 @@ class ModelRunner:
             return
         if restore.method == "checkpoint":  # (the copy overwrites the whole slot)
             assert restore.checkpoint_slot is not None
-            whole = adm.num_cached_tokens % self.block_size != 0  # (a spilled turn end's)
-            self._copy_state(self.checkpoint_base + restore.checkpoint_slot, restore.state_slot, whole=whole)
+            self._copy_state(self.checkpoint_base + restore.checkpoint_slot, restore.state_slot, whole=restore.whole)
             return
         self.executor.reset_state(restore.state_slot)
         if restore.method == "recompute":
@@ -571,8 +574,7 @@ class ModelRunner:
         state off the span grid (a spilled turn end), which the simulator's executor prices as
         a whole state block (`copy_whole_state`; the engine's copies are whole rows anyway)."""
         began = time.perf_counter()
-        copy = getattr(self.executor, "copy_whole_state", None) if whole else None
-        (copy or self.executor.copy_state)(src, dst)
+        (self.executor.copy_whole_state if whole else self.executor.copy_state)(src, dst)
         self.restore_cost.num_copies += 1
         self.restore_cost.copy_s += time.perf_counter() - began
 
