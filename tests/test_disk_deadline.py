@@ -696,3 +696,37 @@ def test_the_scan_lists_what_the_glob_it_replaced_listed(tmp_path) -> None:
         path.write_bytes(b"x")
     found = sorted(path for path, _ in disk_module.scan_entries(tmp_path))
     assert found == sorted((tmp_path / "entries").glob("*/*/*.safetensors")) and len(found) == 4
+
+
+def test_calls_and_close_after_workers_left_hung_are_bounded_and_the_late_answers_never_applied(
+    tmp_path, hang_factory
+) -> None:
+    """The mount hangs for good: a get's worker, then another get's, then a write's, stay
+    blocked (uncancellable: each left to finish). Each later call gets a worker of its own
+    (none waits behind a hung one) and returns within its deadline, and close() within the
+    write deadline (the writer gave up on the write); the breaker then answers at no cost.
+    Released at last, the late answers (two payloads, a write's rename) are dropped: nothing
+    counted as got, nothing held, nothing installed."""
+    filled(tmp_path, 2)
+    tier = DiskTier(tmp_path, 1 << 30, timeout_s=0.2, write_timeout_s=0.3)
+    assert tier.lookup(key(0), descriptor(0)) and tier.lookup(key(1), descriptor(1))
+    hang = hang_factory(tmp_path, {"read", "write", "meta"})
+    hang.arm()
+    for i in (0, 1):
+        got, took = timed(lambda i=i: tier.get(key(i), descriptor(i)))
+        assert got is None and took < 0.2 + MARGIN_S
+    assert tier.put(key(2), descriptor(2), tensors(2))
+    _, took = timed(tier.close)
+    assert took < 0.3 + MARGIN_S
+    report = tier.report()
+    assert report["timeouts"]["read"] == 2 and report["timeouts"]["write"] == 1 and not report["available"]
+    assert report["stuck_io"] == len(hang.entered) >= 3  # (each hung call holds its worker)
+    got, took = timed(lambda: tier.get(key(0), descriptor(0)))  # (the breaker open: no I/O)
+    assert got is None and took < 0.05 + MARGIN_S and tier.stats.misses["unavailable"] == 1
+    assert tier.report()["stuck_io"] == len(hang.entered)
+    hang.release()
+    settled(tier)
+    assert tier.stats.num_gets == 0 and tier.stats.num_get_bytes == 0
+    assert not tier.holds(key(0), descriptor(0)) and not tier.holds(key(1), descriptor(1))
+    assert tier.num_entries == 2 and not stored(tier, 2).exists() and not list((tmp_path / "tmp").iterdir())
+    tier.check_integrity()

@@ -709,7 +709,6 @@ class DiskTier(Tier):
                 self._written_since_scan = 0  # (waited for again after the next 1/32 of the limit)
             return None
         except OSError:  # (scan_entries skips what it cannot list or stat: a bug's, or a fake's)
-            self._scan = None
             with self._lock:
                 self._written_since_scan = 0
             return None
@@ -1092,8 +1091,9 @@ class DiskTier(Tier):
         if read.error is not None:
             self._failed(ident, found, read.error, "read")
             return None
-        found.descriptor = read.descriptor
-        differ = read.differ if whole else found.descriptor.mismatches(expected) if found.descriptor else []
+        found.descriptor = read.descriptor  # (set wherever the read ended without an error)
+        assert found.descriptor is not None
+        differ = read.differ if whole else found.descriptor.mismatches(expected)
         if differ:
             self._reclaim(ident, found, differ)
             return None
