@@ -2277,9 +2277,10 @@ class _InterruptsHeld:
     a SIGINT received inside the block is noted and its KeyboardInterrupt raised once the
     block is done (also where it raised: the interrupt wins). Elsewhere (another thread,
     which gets no KeyboardInterrupt, or a handler of the caller's) nothing is changed. Not
-    nested: an inner block finds the outer's handler set and leaves it. 2.2 us a block (the
-    C module's calls: signal.getsignal / signal.signal with a Python handler set cost 8 and
-    10 us each, their enum conversion's ValueError; `python -m timeit`, 2026-12-07)."""
+    nested: an inner block finds the outer's handler set and leaves it. 2-5 us a block (the
+    C module's calls, 2.2 us of it; signal.getsignal / signal.signal with a Python handler
+    set cost 8 and 10 us each, their enum conversion's ValueError; `python -m timeit` on
+    the shared 2-vCPU box, 2026-12-07)."""
 
     __slots__ = ("_held", "_received")
 
