@@ -804,6 +804,12 @@ class StepBuffers:
         """positions[:num_tokens] ([num_tokens] int64, a device view made once a length)."""
         return _leading_view(self._position_views, self.positions, num_tokens)
 
+    def host_ctx_lens(self, n: int) -> np.ndarray:
+        """ctx_lens[:n] on the host ([n] int32, a numpy view of the host twin): the held step's
+        sequences' contexts after it, as `update` or `advance` wrote them."""
+        s = self.max_num_seqs
+        return self._vec_np[s : s + n]
+
     def host_seq_rows(self) -> np.ndarray:
         """seq_rows on the host [max_num_seqs] int32 (a numpy view of the host twin, which the
         device buffer copies): what a plan reads without a device op."""
