@@ -443,3 +443,26 @@ def test_every_step_after_a_commit_fault_equals_the_caches_tables():
     for where, fault_step in itertools.product(("commit", "committed"), (1, 3, 4)):
         outputs, num_recomputes = run(fault_step, where)
         assert outputs == twin and num_recomputes > 0, (where, fault_step)
+
+
+def test_the_host_contexts_are_the_held_steps_ends_through_update_and_advance():
+    # `host_ctx_lens` is what the Llama executor plans a held columns' step from (in place of
+    # the runner's ends): after update, an in-place advance and a changed batch's advance it
+    # must read each sequence's end, in the step's order
+    b = StepBuffers(max_num_seqs=4, max_num_tokens=16, max_blocks_per_seq=4, block_size=4, dummy_block=9)
+    tables = {"a": [5, 2], "b": [7, 4], "c": [3]}
+    b.update(["a", "b"], [0, 0], [6, 3], [tables["a"], tables["b"][:1]])
+    assert b.host_ctx_lens(2).tolist() == [6, 3]
+    b.clear()
+    assert b.advance(["a", "b"], [6, 3], [7, 4], lambda ids: [tables[i] for i in ids])  # (after a prefill)
+    assert b.host_ctx_lens(2).tolist() == [7, 4]
+    b.clear()
+    assert b.advance(["a", "b"], [7, 4], [8, 5], lambda ids: [tables[i] for i in ids])
+    assert b.host_ctx_lens(2).tolist() == [8, 5] and b.num_advanced == 1  # (in place)
+    b.clear()
+    changed = b.num_advanced_changed
+    b.forget("a")  # "a" leaves, "c" joins with a 3-token prompt: a changed batch moved on
+    assert b.advance(["b", "c"], [5, 0], [6, 3], lambda ids: [tables[i] for i in ids])
+    assert b.num_advanced_changed == changed + 1
+    assert b.host_ctx_lens(2).tolist() == [6, 3] and b.host_ctx_lens(1).tolist() == [6]
+    b.check_integrity({"b": [7, 4], "c": [3]})
