@@ -14,14 +14,13 @@ without it, as `apply_chat_template` does (the template writes its own special t
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import xxhash
 from tokenizers import Tokenizer
 
-from kvpool.models.tokenizer import ChatTokenizer
+from kvpool.models.tokenizer import ChatTokenizer, chat_template_vars
 
 TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 CHAT_TEMPLATE_FILE, GENERATION_CONFIG = "chat_template.jinja", "generation_config.json"
@@ -90,11 +89,6 @@ def _eos_ids(directory: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _strftime_now(spec: str) -> str:
-    """Today's date or time in `spec`'s format: what transformers gives a template as strftime_now."""
-    return datetime.now().strftime(spec)
-
-
 def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
     """The ChatTokenizer of an HF model directory. ValueError in one line naming the file for
     a missing or malformed tokenizer.json, a malformed tokenizer_config.json /
@@ -131,13 +125,7 @@ def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
         add_bos_token=False,  # (tokenizer.json's post-processor adds a BOS where the model takes one)
         version=version,
         template_source=f"{d}'s",
-        # what transformers passes a template besides the messages: its special tokens' texts
-        template_vars={
-            "tools": None,
-            "documents": None,
-            "strftime_now": _strftime_now,  # (Llama 3.2's template dates its system prompt with it)
-            **{k: v for k, v in names.items() if v is not None},
-        },
+        template_vars=chat_template_vars(names),  # (its special tokens' texts, tools=None, strftime_now)
         stop_token_ids=stops,
         post_process=True,
         # (transformers 5 ignores the flag for a BPE model: the clean-up would drop spaces BPE kept)

@@ -14,6 +14,7 @@ too for that pre-tokenizer).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, NoReturn
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -70,6 +71,24 @@ def _check_text(text: str) -> None:
         ) from None
 
 
+def _strftime_now(spec: str) -> str:
+    """Today's date or time in `spec`'s format: what transformers gives a template as strftime_now."""
+    return datetime.now().strftime(spec)
+
+
+def chat_template_vars(special_tokens: dict[str, str | None]) -> dict[str, Any]:
+    """What a chat template gets besides the messages and add_generation_prompt, for a GGUF
+    and an HF directory alike, as transformers passes them: no tools or documents, strftime_now
+    (Llama 3.2's template dates its system prompt with it) and the special tokens' texts
+    (bos_token, eos_token, ...; one that is None is left undefined)."""
+    return {
+        "tools": None,
+        "documents": None,
+        "strftime_now": _strftime_now,
+        **{name: text for name, text in special_tokens.items() if text is not None},
+    }
+
+
 @dataclass
 class ChatTokenizer:
     """Encode / decode text and render chat messages with the model's own template."""
@@ -82,7 +101,7 @@ class ChatTokenizer:
     version: str  # part of the cache descriptor: a different tokenizer must never hit the cache
     # an HF directory's (models/hf_tokenizer.py); a GGUF's keep these defaults
     template_source: str = "the GGUF's"  # names where the chat template came from, in its errors
-    template_vars: dict[str, Any] = field(default_factory=dict)  # bos_token, eos_token, ... as transformers passes
+    template_vars: dict[str, Any] = field(default_factory=dict)  # chat_template_vars: bos_token, eos_token, tools, ...
     stop_token_ids: tuple[int, ...] = ()  # generation_config.json's eos ids, besides eos_token_id
     post_process: bool = False  # encode runs tokenizer.json's post-processor (transformers' add_special_tokens)
     clean_up_spaces: bool = False  # decode drops the space before punctuation (clean_up_tokenization_spaces)
@@ -108,7 +127,7 @@ class ChatTokenizer:
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The chat template (jinja2, as shipped in the GGUF or the HF directory) applied to
-        `messages`, with `template_vars` (an HF directory's special tokens, tools=None)."""
+        `messages`, with `template_vars` (the special tokens' texts, tools=None, strftime_now)."""
         if not self.chat_template:
             if self.template_source == "the GGUF's":
                 raise ValueError("this GGUF has no tokenizer.chat_template; use raw text (--no-chat)")
@@ -140,12 +159,21 @@ class ChatTokenizer:
         except (jinja2.TemplateError, TypeError) as e:
             raise ValueError(f"the chat template refused the messages: {e}") from None
 
+    def encode_rendered(self, text: str) -> list[int]:
+        """The ids of a rendered chat template (render_chat's text). An HF directory's: without
+        the post-processor, as apply_chat_template (the template writes its own special tokens).
+        A GGUF's: with add_bos_token's BOS unless the text already starts with it (Llama 3's
+        template writes `{{ bos_token }}`; llama.cpp does not double it either)."""
+        _check_text(text)
+        ids = self._ids(text, False)
+        if self.post_process:
+            return ids
+        if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.render_chat(messages)
-        if self.post_process:  # the template writes its own special tokens: transformers adds none
-            _check_text(text)
-            return self._ids(text, False)
-        return self.encode(text)
+        return self.encode_rendered(self.render_chat(messages))
 
 
 def check_tokenizer_kind(model: str, pre: str) -> None:
@@ -211,4 +239,19 @@ def build_tokenizer(data: TokenizerData) -> ChatTokenizer:
     if user:
         tok.add_tokens(user)
     version = f"gguf-bpe:{data.pre}:{len(data.tokens)}:{len(data.merges)}"
-    return ChatTokenizer(tok, data.chat_template, data.bos_token_id, data.eos_token_id, data.add_bos_token, version)
+
+    def text_of(token_id: int | None) -> str | None:  # (an id past the vocabulary: the name is left undefined)
+        return data.tokens[token_id] if token_id is not None and 0 <= token_id < len(data.tokens) else None
+
+    return ChatTokenizer(
+        tok,
+        data.chat_template,
+        data.bos_token_id,
+        data.eos_token_id,
+        data.add_bos_token,
+        version,
+        # tokenizer.ggml.bos_token_id / eos_token_id's texts, as llama.cpp gives its templates
+        template_vars=chat_template_vars(
+            {"bos_token": text_of(data.bos_token_id), "eos_token": text_of(data.eos_token_id)}
+        ),
+    )
