@@ -187,7 +187,9 @@ def test_generate_on_an_hf_directory_gives_transformers_greedy_tokens(tmp_path, 
     assert report["text"] == loaded.tokenizer.decode(ref64[:end])
 
 
-def test_generate_no_chat_on_an_hf_llama_directory_takes_the_bos_and_transformers_tokens(tmp_path, capsys):
+def _llama_dir(path: Path) -> object:
+    """A tiny random LlamaForCausalLM saved with a tokenizer whose post-processor adds <s>
+    and whose template writes `{{ bos_token }}`; the transformers tokenizer."""
     from random_llama import TINY_HF_LLAMA
 
     config = transformers.LlamaConfig(**{**TINY_HF_LLAMA, "max_position_embeddings": 2048})
@@ -195,9 +197,13 @@ def test_generate_no_chat_on_an_hf_llama_directory_takes_the_bos_and_transformer
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # (transformers' init draws small weights: spread the logits apart)
         model.lm_head.weight.mul_(40)
-    path = tmp_path / "llama"
     model.save_pretrained(path)
-    ref_tok = save_tokenizer(path, bos=True)
+    return save_tokenizer(path, bos=True)
+
+
+def test_generate_no_chat_on_an_hf_llama_directory_takes_the_bos_and_transformers_tokens(tmp_path, capsys):
+    path = tmp_path / "llama"
+    ref_tok = _llama_dir(path)
     prompt = ref_tok("The quick brown fox").input_ids
     assert prompt[0] == ref_tok.bos_token_id
     ref, gap = _hf_greedy(path, torch.float32, prompt, 8)
@@ -220,6 +226,47 @@ def test_the_llm_class_chats_with_an_hf_directory(tmp_path):
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Hello world"}])
     ref, gap = _hf_greedy(path, torch.float32, prompt, 5)
     assert gap > 1e-3 and out.token_ids == ref and out.prompt_token_ids == prompt
+
+
+def test_llm_chat_and_a_served_chat_take_the_templates_bos_alone(tmp_path):
+    """LLM.chat and /v1/chat/completions render the template, then encode its text: that text
+    holds the template's <s>, and the post-processor's would be a second one (they encoded
+    it as raw text: [<s>, <s>, ...])."""
+    import asyncio
+
+    import httpx
+
+    from kvpool import LLM
+    from kvpool.server.app import ServerState, build_app
+    from kvpool.server.engine_thread import EngineThread
+    from kvpool.server.metrics import ServerMetrics
+
+    path = tmp_path / "llama"
+    ref_tok = _llama_dir(path)
+    messages = [{"role": "user", "content": "Hello world"}]
+    ids = ref_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert ids.count(ref_tok.bos_token_id) == 1 and ids[0] == ref_tok.bos_token_id
+    llm = LLM(str(path), kv_cache_bytes=1 << 20)
+    assert llm.chat(messages, SamplingParams(max_tokens=1))[0].prompt_token_ids == ids
+    engine = build_engine(llm.loaded, num_blocks=16, block_size=16)
+    thread = EngineThread(engine, llm.tokenizer.decode)
+    state = ServerState(thread, llm.tokenizer, ServerMetrics("llama"), "llama", engine.runner.max_model_len)
+    app = build_app(state)
+    thread.start()
+
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            body = {"model": "llama", "messages": messages, "max_tokens": 1}
+            return await client.post("/v1/chat/completions", json=body)
+
+    try:
+        reply = asyncio.run(post())
+    finally:
+        thread.stop()
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == len(ids)
 
 
 def test_serve_answers_a_chat_completion_from_an_hf_directory(tmp_path):

@@ -222,7 +222,7 @@ class LLM:
                     if not isinstance(m[key], str):
                         raise TypeError(f"conversations[{i}][{j}]['{key}'] is a {type(m[key]).__name__}, not a string")
             text = self.tokenizer.render_chat(messages)
-            encoded.append((text, self.tokenizer.encode(text)))
+            encoded.append((text, self.tokenizer.encode_rendered(text)))
         return self._run(encoded, params)
 
     def reset_prefix_cache(self) -> bool:

@@ -314,8 +314,9 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             )
         return header or body.user or ""
 
-    def encode(text: str, field: str) -> list[int]:
-        """The text's token ids (on a worker thread). A text so long that even tokens of the
+    def encode(text: str, field: str, rendered: bool = False) -> list[int]:
+        """The text's token ids (on a worker thread; `rendered`: a chat template's text, which
+        writes its own special tokens). A text so long that even tokens of the
         longest kind would overflow the context gets its 400 without being tokenized (that
         would take seconds a megabyte, and hundreds of MB for the encoding)."""
         limit = state.max_model_len
@@ -329,7 +330,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
                 field,
                 "context_length_exceeded",
             )
-        return state.tokenizer.encode(text)
+        return state.tokenizer.encode_rendered(text) if rendered else state.tokenizer.encode(text)
 
     def max_tokens_for(num_prompt: int, requested: int | None, chat: bool, param: str = "max_tokens") -> int:
         """The request's max_tokens within the context; `param` names the field it came in."""
@@ -407,7 +408,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             raise APIError(400, f"messages: {error}", "messages") from None
         except Exception as error:  # anything else the template raises
             raise APIError(400, f"messages: the chat template refused them: {error}", "messages") from None
-        return encode(text, "messages")
+        return encode(text, "messages", rendered=True)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
