@@ -86,6 +86,11 @@ def test_a_directory_and_defaults(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     hf = llama_config(tmp_path)
     assert (hf.config.num_kv_heads, hf.config.rope_theta, hf.config.max_position) == (4, 10000.0, 2048)
+    # the max_position_embeddings transformers gives each model_type without the key (Mistral's was 2,048)
+    for model_type, extra in (("mistral", {"sliding_window": None}), ("qwen2", {}), ("llama", {})):
+        (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": model_type, **extra}))
+        reference = transformers.AutoConfig.for_model(model_type).max_position_embeddings
+        assert llama_config(tmp_path).config.max_position == reference
     assert hf.config.rope_freq_divisors is None
 
 
@@ -126,6 +131,8 @@ def test_llama3_and_linear_rope_are_read_as_divisors(tmp_path, changes):
         ({"attention_bias": True}, "attention_bias True is not modelled"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not modelled"),
         ({"sliding_window": 4096}, "sliding_window 4096"),
+        # transformers' MistralConfig slides 4096 positions without the key (it was read as full attention)
+        ({"model_type": "mistral"}, "no sliding_window key: transformers' MistralConfig then slides a window of 4096"),
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
         ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
         ({"num_hidden_layers": "2"}, "num_hidden_layers must be a positive integer, got '2'"),

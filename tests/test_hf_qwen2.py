@@ -112,8 +112,20 @@ def llama_config_of(raw: dict, tmp_path):
     ("changes", "match"),
     [
         ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}, "use_sliding_window with"),
-        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types 'sliding_attention' is not modelled"),
+        # transformers 5.25 fails building this model's mask (a window of None)
+        (
+            {"layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True, "sliding_window": 64},
+            "layer_types 'sliding_attention' with use_sliding_window and sliding_window 64 is not modelled",
+        ),
         ({"use_sliding_window": "false"}, "use_sliding_window must be true or false"),
+        # no sliding_window key: transformers fills in 4096 and slides (it was read as full attention)
+        (
+            {"use_sliding_window": True, "max_window_layers": 0},
+            re.escape("sliding_window 4096 (transformers' default: config.json has no key)"),
+        ),
+        # one type per layer, as transformers checks (a short list was read)
+        ({"layer_types": ["full_attention"]}, "layer_types has 1 entries for num_hidden_layers 2"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "'sliding_attention' without a window"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not modelled"),
     ],
 )
@@ -128,8 +140,36 @@ def test_qwen2_configs_that_attend_in_full_are_read(tmp_path):
         {"use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 21},
         {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2},
         {"layer_types": ["full_attention"] * 2, "attention_bias": True},
+        {"layer_types": ["attention", "full_attention"]},  # (transformers' legacy name of full_attention)
+        {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},
     ):
         assert llama_config_of({**HF, "model_type": "qwen2", **changes}, tmp_path).qkv_bias
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"use_sliding_window": True},
+        {"use_sliding_window": True, "max_window_layers": 1},
+        {"use_sliding_window": True, "max_window_layers": 2},
+        {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},
+        {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
+        {"use_sliding_window": False, "max_window_layers": 0},
+        {"use_sliding_window": True, "max_window_layers": 0, "layer_types": ["full_attention"] * 2},
+    ],
+)
+def test_a_qwen2_config_is_read_where_transformers_attends_in_full_on_every_layer(tmp_path, changes):
+    raw = {**HF, "model_type": "qwen2", **changes}
+    reference = transformers.Qwen2Config(**{k: v for k, v in raw.items() if k != "model_type"})
+    full = set(reference.layer_types) == {"full_attention"}
+    try:
+        llama_config_of(raw, tmp_path)
+        read = True
+    except ValueError as e:
+        assert "sliding" in str(e)
+        read = False
+    assert read == full, (reference.sliding_window, reference.layer_types)
 
 
 def test_what_an_hf_directory_lacks_or_adds_is_refused_naming_it(tmp_path):

@@ -26,8 +26,12 @@ from kvpool.models.llama import LlamaModel
 from kvpool.models.rope import llama3_divisors
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")  # model_type values whose math models/llama.py computes
-# transformers' defaults that differ by model_type (Qwen2Config's context: 32,768)
-MAX_POSITION_DEFAULTS = {"qwen2": 32768}
+# transformers' defaults that differ by model_type (Qwen2Config's context: 32,768; MistralConfig's
+# 4096 x 32 = 131,072; LlamaConfig's 2,048 for the rest)
+MAX_POSITION_DEFAULTS = {"qwen2": 32768, "mistral": 131072}
+# the sliding_window that transformers' Qwen2Config and MistralConfig fill in where config.json has no key
+# (Qwen2 uses it only with use_sliding_window true; Mistral always: a window of 4096 positions)
+SLIDING_WINDOW_DEFAULT = 4096
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,12 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
     for key, allowed in checked:
         if key in raw and raw[key] not in allowed:
             raise ValueError(f"{where}: {key} {raw[key]!r} is not modelled (only {allowed[0]!r})")
+    if model_type == "mistral" and "sliding_window" not in raw:
+        raise ValueError(
+            f"{where}: no sliding_window key: transformers' MistralConfig then slides a window of "
+            f"{SLIDING_WINDOW_DEFAULT} positions, which is not modelled (full attention only; "
+            '"sliding_window": null attends in full)'
+        )
     if not qwen2 and raw.get("sliding_window") is not None:
         raise ValueError(f"{where}: sliding_window {raw['sliding_window']!r} is not modelled (full attention only)")
 
@@ -132,24 +142,41 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
 
 def _check_qwen2_full_attention(raw: dict[str, Any], where: str, num_layers: int) -> None:
     """ValueError unless every layer of a Qwen2 config.json attends in full, as transformers'
-    Qwen2Config decides: its `layer_types` when given, else a sliding window on the layers
-    from `max_window_layers` on where `use_sliding_window` is true (Qwen2.5's config.json
-    names a sliding_window with use_sliding_window false: full attention)."""
+    Qwen2Config decides: the window is `sliding_window` (4096 when the key is missing) where
+    `use_sliding_window` is true, else none (Qwen2.5's config.json names a sliding_window with
+    use_sliding_window false: full attention); `layer_types` when given (one per layer, as
+    transformers checks), else a window on the layers from `max_window_layers` on."""
+    use = raw.get("use_sliding_window", False)
+    if not isinstance(use, bool):  # bool("false") is True
+        raise ValueError(f"{where}: use_sliding_window must be true or false, got {use!r}")
+    window = raw.get("sliding_window", SLIDING_WINDOW_DEFAULT) if use else None
+    shown = f"{window!r}" if "sliding_window" in raw else f"{window} (transformers' default: config.json has no key)"
     types = raw.get("layer_types")
     if types is not None:
         if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
             raise ValueError(f"{where}: layer_types must be a list of strings, got {types!r:.200}")
-        other = sorted(set(types) - {"full_attention"})
+        if len(types) != num_layers:
+            raise ValueError(
+                f"{where}: layer_types has {len(types)} entries for num_hidden_layers {num_layers} (one per layer)"
+            )
+        other = sorted(set(types) - {"full_attention", "attention"})  # (transformers reads "attention" as full)
+        if other == ["sliding_attention"] and window is not None:
+            raise ValueError(
+                f"{where}: layer_types 'sliding_attention' with use_sliding_window and sliding_window {shown} "
+                "is not modelled (full attention only)"
+            )
+        if other == ["sliding_attention"]:  # (transformers 5.25 fails building the mask: no window to slide)
+            raise ValueError(
+                f"{where}: layer_types 'sliding_attention' without a window (use_sliding_window false or "
+                "sliding_window null) is not modelled: give those layers 'full_attention'"
+            )
         if other:
             raise ValueError(f"{where}: layer_types {other[0]!r} is not modelled (full_attention only)")
         return
-    use = raw.get("use_sliding_window", False)
-    if not isinstance(use, bool):  # bool("false") is True
-        raise ValueError(f"{where}: use_sliding_window must be true or false, got {use!r}")
     first = raw.get("max_window_layers", 28)
-    if use and raw.get("sliding_window") is not None and not (isinstance(first, int) and first >= num_layers):
+    if window is not None and not (isinstance(first, int) and first >= num_layers):
         raise ValueError(
-            f"{where}: use_sliding_window with sliding_window {raw['sliding_window']!r} is not modelled "
+            f"{where}: use_sliding_window with sliding_window {shown} is not modelled "
             f"(full attention only; layers from max_window_layers {first!r} would slide)"
         )
 
