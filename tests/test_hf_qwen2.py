@@ -85,6 +85,38 @@ def test_sharded_safetensors_and_the_paged_engine(tmp_path):
         assert (rows - want).abs().max() <= TOL64 * want.abs().max()
 
 
+def test_each_tensor_of_shards_is_read_from_the_file_the_index_names(tmp_path):
+    """A stale copy of a tensor in another shard is not read (the file sorting last won: a
+    wrong norm, or 'lacks tensors' for a layer's); a tensor the index puts in a file that
+    lacks it is refused naming both."""
+    from safetensors import safe_open
+
+    _, path = save_dir(tmp_path / "qwen2", False, max_shard_size="40KB")
+    _, want = load_hf(path, torch.float64)
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    files = sorted(set(weight_map.values()))
+    for stale in ("model.norm.weight", "model.layers.0.self_attn.q_proj.weight"):
+        home = weight_map[stale]
+        other = files[-1] if home != files[-1] else files[0]
+        with safe_open(path / other, framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        with safe_open(path / home, framework="pt") as f:
+            tensors[stale] = torch.full_like(f.get_tensor(stale), 7.0)
+        save_file(tensors, str(path / other), metadata={"format": "pt"})
+        _, model = load_hf(path, torch.float64)
+        assert torch.equal(model.norm, want.norm)
+        for got, expected in zip(model.layers, want.layers, strict=True):
+            assert all(torch.equal(got[k], expected[k]) for k in expected)
+        del tensors[stale]
+        save_file(tensors, str(path / other), metadata={"format": "pt"})
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    other = files[0] if weight_map["model.norm.weight"] != files[0] else files[1]
+    index["weight_map"]["model.norm.weight"] = other
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=re.escape(f"{path / other}: lacks tensor 'model.norm.weight', which model")):
+        load_hf(path, torch.float64)
+
+
 def test_a_qwen2_config_json_with_random_weights_equals_transformers_holding_them(tmp_path):
     """The config.json path (`kvpool run --model config.json`, bench gpu): random_llama draws
     the biases too, and hf_tensor_name names them as transformers does."""

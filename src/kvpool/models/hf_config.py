@@ -363,10 +363,18 @@ def hf_weight_files(directory: str | Path) -> list[Path]:
     """The safetensors files of an HF model directory: model.safetensors, or the shards
     model.safetensors.index.json names. ValueError naming the directory when it holds
     neither, or naming the index when it is not one."""
+    return list(_weight_map(directory))
+
+
+def _weight_map(directory: str | Path) -> dict[Path, frozenset[str] | None]:
+    """Each safetensors file of an HF model directory and the tensor names to read from it:
+    None (every tensor) for a single model.safetensors, else the names the index's weight_map
+    assigns to that file (a copy of a tensor in another shard is not the index's, and is not
+    read: the last file in sorted order won). ValueError as `hf_weight_files`."""
     d = Path(directory)
     single, index = d / SAFETENSORS, d / SAFETENSORS_INDEX
     if single.is_file():
-        return [single]
+        return {single: None}
     if not index.is_file():
         raise ValueError(f"{d}: no {SAFETENSORS} nor {SAFETENSORS_INDEX} (kvpool reads an HF model's safetensors)")
     try:
@@ -379,7 +387,7 @@ def hf_weight_files(directory: str | Path) -> list[Path]:
     missing = [n for n in names if not (d / n).is_file()]
     if missing:
         raise ValueError(f"{index} names {missing[0]}, which {d} lacks")
-    return [d / n for n in names]
+    return {d / n: frozenset(k for k, v in weight_map.items() if v == n) for n in names}
 
 
 def hf_tensors(
@@ -389,16 +397,25 @@ def hf_tensors(
     `random_tensors`' names and HF layout ([out, in]), cast to `dtype`, one tensor read at a
     time (LlamaModel.from_tensors fuses a layer once its parts are in). A tied model's
     lm_head.weight, if the file holds one, is not read (transformers ties it to the
-    embedding). ValueError naming the file and tensor for one the model does not use (an O
-    bias, a Llama's Q bias, a layer past num_hidden_layers), of a shape the config does not
-    give, not of a floating type, or holding a value that is not finite in `dtype`."""
+    embedding); of shards, each tensor is read from the file the index names for it.
+    ValueError naming the file and tensor for one the model does not use (an O bias, a
+    Llama's Q bias, a layer past num_hidden_layers), of a shape the config does not give,
+    not of a floating type, or holding a value that is not finite in `dtype`."""
     from safetensors import SafetensorError, safe_open
 
     c = config
-    for path in hf_weight_files(directory):
+    for path, assigned in _weight_map(directory).items():
         try:
             with safe_open(path, framework="pt") as f:
-                for hf_name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                held = list(f.keys())
+                if assigned is not None:
+                    lacking = sorted(assigned - set(held))
+                    if lacking:
+                        raise ValueError(
+                            f"{path}: lacks tensor {lacking[0]!r}, which {SAFETENSORS_INDEX} says it holds"
+                        )
+                    held = [k for k in held if k in assigned]  # (the index's file for each tensor, not a copy)
+                for hf_name in held:
                     if hf_name.endswith("rotary_emb.inv_freq"):  # (older checkpoints' buffer: computed here)
                         continue
                     if hf_name == "lm_head.weight" and c.tie_embeddings:
