@@ -227,8 +227,22 @@ def test_what_an_hf_directory_lacks_or_adds_is_refused_naming_it(tmp_path):
     save_file(
         {k: v for k, v in good.items() if k != "model.layers.1.self_attn.q_proj.bias"}, str(path / "model.safetensors")
     )
-    with pytest.raises(ValueError, match=re.escape("lacks tensors ['layers.1.q_bias']")):
+    # the directory and transformers' names (a GGUF's 'layers.1.q_bias' / 'output.weight' were named)
+    with pytest.raises(
+        ValueError, match=re.escape(f"{path}: its safetensors lack tensors ['model.layers.1.self_attn.q_proj.bias']")
+    ):
         load_hf(path, torch.float64)
+    save_file({k: v for k, v in good.items() if not k.startswith("model.layers.1.")}, str(path / "model.safetensors"))
+    with pytest.raises(
+        ValueError, match=re.escape("lack tensors ['model.layers.1.self_attn.q_proj.weight', ") + ".* and 8 more"
+    ):
+        load_hf(path, torch.float64)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "tie_word_embeddings": False}))
+    save_file(good, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=re.escape(f"{path}: lacks tensor 'lm_head.weight' (the LM head), and its")):
+        load_hf(path, torch.float64)
+    (path / "config.json").write_text(json.dumps(raw))
     (path / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ValueError, match="not a safetensors file"):
         load_hf(path)

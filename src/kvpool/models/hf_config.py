@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvpool.models.gguf import LlamaConfig
-from kvpool.models.llama import LlamaModel
+from kvpool.models.llama import LlamaModel, layer_parts
 from kvpool.models.rope import llama3_divisors
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")  # model_type values whose math models/llama.py computes
@@ -400,10 +400,12 @@ def hf_tensors(
     embedding); of shards, each tensor is read from the file the index names for it.
     ValueError naming the file and tensor for one the model does not use (an O bias, a
     Llama's Q bias, a layer past num_hidden_layers), of a shape the config does not give,
-    not of a floating type, or holding a value that is not finite in `dtype`."""
+    not of a floating type, or holding a value that is not finite in `dtype`; naming the
+    directory and the HF names of the weights it lacks, once every file is read."""
     from safetensors import SafetensorError, safe_open
 
     c = config
+    seen: set[str] = set()
     for path, assigned in _weight_map(directory).items():
         try:
             with safe_open(path, framework="pt") as f:
@@ -436,9 +438,27 @@ def hf_tensors(
                             f"{path}: tensor {hf_name!r} holds a NaN or an infinity in {dtype}: the model cannot "
                             "compute with it"
                         )
+                    seen.add(name)
                     yield name, tensor
         except SafetensorError as e:
             raise ValueError(f"{path}: not a safetensors file ({e})") from None
+    _check_complete(directory, c, seen)
+
+
+def _check_complete(directory: str | Path, config: LlamaConfig, seen: set[str]) -> None:
+    """ValueError naming the directory and transformers' names of the weights its safetensors
+    lack (LlamaModel.from_tensors' own message names a GGUF's: 'layers.1.k', 'output.weight')."""
+    c = config
+    if not c.tie_embeddings and "lm_head" not in seen:
+        raise ValueError(
+            f"{directory}: lacks tensor 'lm_head.weight' (the LM head), and its config.json does not tie it to "
+            "the embedding (tie_word_embeddings true)"
+        )
+    wanted = ["embed", "norm"] + [f"layers.{i}.{p}" for i in range(c.num_layers) for p in layer_parts(c)]
+    missing = [hf_tensor_name(n) for n in wanted if n not in seen]
+    if missing:
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise ValueError(f"{directory}: its safetensors lack tensors {missing[:4]}{more}")
 
 
 def _shape(name: str, config: LlamaConfig) -> tuple[int, ...] | None:
