@@ -301,6 +301,9 @@ def config_engine(args: argparse.Namespace):
         raise ValueError(f"--model {args.model}: {what} {verb} no tiers (no --host-cache-gib, --disk-cache, --redis)")
     if getattr(args, "preemption", "recompute") != "recompute":
         raise ValueError(f"--model {args.model}: preemption swap and auto need the host tier; use recompute")
+    if getattr(args, "tp", 1) > 1:  # (it was ignored: the whole model ran in one process)
+        what = "an HF directory's model" if directory else "a config.json's random model"
+        raise ValueError(f"--model {args.model}: {what} runs on one process (no --tensor-parallel-size {args.tp})")
     hf = llama_config(args.model)
     dtype, device = model_placement(args)
     weights = "its safetensors" if directory else "random weights"
