@@ -228,6 +228,7 @@ def test_kvpool_run_serves_a_config_json_with_random_weights(tmp_path, capsys):
     # 1 MiB of blocks of 16 tokens x 2 layers x K and V x 2 KV heads x 16 dims x 4 bytes
     assert report["num_blocks"] == (1 << 20) // (16 * 2 * 2 * 2 * 16 * 4) == 128
     assert (report["model"], report["num_finished"], report["num_generated_tokens"]) == (tmp_path.name, 2, 6)
+    assert report["load_source"] == "random weights (--seed 0)"  # (was "built in")
     assert main([*argv, "--tp", "2"]) == 2  # (the flag was ignored: one process ran the whole model)
     assert "a config.json's random model runs on one process (no --tensor-parallel-size 2)" in capsys.readouterr().err
     assert main(["run", "--model", str(path), "--host-cache-gib", "1"]) == 2

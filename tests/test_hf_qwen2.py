@@ -274,6 +274,7 @@ def test_kvpool_run_serves_an_hf_directory_with_its_weights(tmp_path, capsys):
     assert main([*argv, "--request-rate", "inf", "--max-tokens", "3", "--kv-memory", "1MiB", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["num_finished"], report["num_generated_tokens"]) == (2, 6)
+    assert report["load_source"] == f"safetensors ({path})"  # (was "built in")
     # one process only: the flag was ignored without a word
     assert main([*argv, "--tensor-parallel-size", "2"]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (

@@ -331,6 +331,16 @@ def config_engine(args: argparse.Namespace):
     return engine, hf.name, hf.config.vocab_size
 
 
+def _built_source(args: argparse.Namespace) -> str:
+    """The report's load_source of a model without a GGUF: an HF directory's safetensors, a
+    config.json's seeded random weights, else "built in" (the tiny models)."""
+    if args.model is not None and os.path.isdir(args.model):
+        return f"safetensors ({args.model})"
+    if args.model is not None and args.model.endswith(".json"):
+        return f"random weights (--seed {args.seed})"
+    return "built in"
+
+
 def token_id_prompts(args: argparse.Namespace, engine, vocab_size: int):
     """The workload-making function of a model served by token ids (a config.json model, the
     hybrid and tiny V4 models): random prompts of its vocabulary, each checked against the
@@ -537,7 +547,7 @@ def _run(args: argparse.Namespace) -> int:
         report["kv_pool_bytes_per_rank"] = engine.runner.executor.storage.num_bytes
     report["load_s"] = round(load_s, 3)
     report["torch_threads"] = torch_threads
-    report["load_source"] = loaded.load_source if loaded is not None else "built in"
+    report["load_source"] = loaded.load_source if loaded is not None else _built_source(args)
     report["memory"] = None
     if loaded is not None:  # the Llama runner's ledger (the tiny V4 model's is not measured)
         report["memory"] = memory.measure(engine.runner, runtime_bytes, loaded.tokenizer_bytes).as_dict()
