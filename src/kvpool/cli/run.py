@@ -302,7 +302,7 @@ def config_engine(args: argparse.Namespace):
     if getattr(args, "preemption", "recompute") != "recompute":
         raise ValueError(f"--model {args.model}: preemption swap and auto need the host tier; use recompute")
     if getattr(args, "tp", 1) > 1:  # (it was ignored: the whole model ran in one process)
-        what = "an HF directory's model" if directory else "a config.json's random model"
+        what = "an HF directory without a tokenizer.json" if directory else "a config.json's random model"
         raise ValueError(f"--model {args.model}: {what} runs on one process (no --tensor-parallel-size {args.tp})")
     hf = llama_config(args.model)
     dtype, device = model_placement(args)
@@ -335,7 +335,7 @@ def _built_source(args: argparse.Namespace) -> str:
     """The report's load_source of a model without a GGUF: an HF directory's safetensors, a
     config.json's seeded random weights, else "built in" (the tiny models)."""
     if args.model is not None and os.path.isdir(args.model):
-        return f"safetensors ({args.model})"
+        return "safetensors"  # (as load_model's of a directory with its tokenizer)
     if args.model is not None and args.model.endswith(".json"):
         return f"random weights (--seed {args.seed})"
     return "built in"
