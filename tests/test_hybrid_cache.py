@@ -778,3 +778,61 @@ def test_ctrl_c_inside_a_group_release_is_held_till_the_request_is_gone(which) -
         m.check_integrity()
         assert _all_free(m)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_the_repeat_of_a_recompute_release_ctrl_c_cut_short_keeps_the_recompute_mark(which) -> None:
+    """A SIGINT lands inside the release of a request marked `will_recompute`: the release
+    completes, KeyboardInterrupt follows, and the engine repeats the release (its next
+    step's `_release_pending`). The repeat keeps the mark, so the request's readmission
+    counts nothing (num_requests 1); a later cancel of the waiting request, no repeat,
+    clears it (a new request with that id counts). The repeat cleared the mark: 2."""
+    m = _release_managers()[which]
+    prefill(m, "a", list(range(13)))
+    g = m._group_list[-1]
+    release = g.release
+
+    def interrupted(state):
+        signal.raise_signal(signal.SIGINT)
+        release(state)
+
+    g.release = interrupted
+    m.will_recompute("a")
+    with pytest.raises(KeyboardInterrupt):
+        m.release("a", "cancel")
+    del g.release
+    assert m.release("a", "cancel") is False  # (the engine's repeat)
+    assert "a" in m._recomputing
+    prefill(m, "a", list(range(13)))
+    m.check_integrity()
+    assert (m.stats.num_requests, m.stats.num_readmissions, m.stats.num_queried_tokens) == (1, 0, 13)
+    m.will_recompute("a")
+    m.release("a", "cancel")
+    assert m.release("a", "cancel") is False and "a" not in m._recomputing  # (a cancel while it waits)
+    prefill(m, "a", list(range(13)))
+    assert (m.stats.num_requests, m.stats.num_readmissions) == (2, 0)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_preempt_release_that_raised_then_repeated_as_a_cancel_drops_the_preempt_mark(which) -> None:
+    """A "preempt" release raises in each group in turn; the request is then aborted, and
+    the engine repeats the release as a "cancel": the marks follow the repeat (the release
+    that completes), so the id is not marked preempted and a new request reusing it counts
+    as a request, not a readmission. The preempt mark stayed (1 readmission, 1 request)."""
+    for k in range(len(_release_managers()[which].groups)):
+        m = _release_managers()[which]
+        prefill(m, "a", list(range(13)))
+        g = m._group_list[k]
+
+        def boom(state, g=g):
+            raise _Boom(g.name)
+
+        g.release = boom
+        with pytest.raises(_Boom):
+            m.release("a", "preempt")
+        del g.release
+        assert m.release("a", "cancel") is True
+        assert "a" not in m._preempted
+        m.check_integrity()
+        prefill(m, "a", list(range(13)))
+        assert (m.stats.num_requests, m.stats.num_readmissions) == (2, 0)

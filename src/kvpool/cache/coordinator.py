@@ -380,6 +380,9 @@ class HybridCacheManager:
         self._decode_step: _DecodeMemo | None = None
         self._preempted: set[str] = set()  # released by preemption, not yet admitted again
         self._recomputing: set[str] = set()  # released to be recomputed (`will_recompute`), not yet admitted again
+        # the request whose release completed and then raised KeyboardInterrupt (held off till
+        # then), until the next release: the engine repeats it, and the repeat keeps the marks
+        self._interrupted: str | None = None
         # The requests whose admission's lower-tier blocks are still loading (`num_loading`,
         # until `complete_loads`): a commit that names one is refused (`commit_step`), one
         # test a step while none loads (a cache without a lower tier: always)
@@ -2129,38 +2132,51 @@ class HybridCacheManager:
         if reason not in RELEASE_REASONS:
             raise ValueError(f"unknown release reason {reason!r}; one of {RELEASE_REASONS}")
         req = self._requests.get(request_id)
+        interrupted, self._interrupted = self._interrupted, None
         if req is None:
             # `_preempted` stays exact: a preemption marks the request; any other release of
-            # it (a cancel of a preempted request that waits, say) clears the mark.
+            # it (a cancel of a preempted request that waits, say) clears the mark. The marks
+            # follow the reason of the last release: a repeat of a release that completed but
+            # raised KeyboardInterrupt (the engine's, next step) keeps the recompute mark
             if reason != "preempt":
                 self._preempted.discard(request_id)
-            self._recomputing.discard(request_id)
+            if interrupted != request_id:
+                self._recomputing.discard(request_id)
             return False
         # All or nothing: Ctrl-C is held off till the request is gone (`_InterruptsHeld`), and
         # a group's release that raises leaves the request admitted, the groups before it
         # released: a repeat of the release goes on from that group (check_integrity holds)
-        with _InterruptsHeld():
-            if not req.releasing:
-                req.releasing = True
-                if reason != "preempt":
-                    self._preempted.discard(request_id)
-                self._recomputing.discard(request_id)
-                if req.given_up:
-                    self._uncount_admission(req)
-                elif req.recompute:
-                    self._recomputing.add(request_id)
-                if reason == "preempt":
-                    self._preempted.add(request_id)
-                elif reason == "finish" and self.turn_end_checkpoints and req.end == req.num_computed:
-                    for name, g in self.groups.items():
-                        g.keep_turn_end(req.states[name], req.token_ids, req.mm_items, req.num_computed)
-                self._fresh.discard(request_id)
-            groups, states = self._group_list, req.states
-            while req.num_released < len(groups):
-                g = groups[req.num_released]
-                g.release(states[g.name])
-                req.num_released += 1
-            self._pop_request(request_id)
+        try:
+            with _InterruptsHeld():
+                if not req.releasing:
+                    req.releasing = True
+                    if reason != "preempt":
+                        self._preempted.discard(request_id)
+                    self._recomputing.discard(request_id)
+                    if req.given_up:
+                        self._uncount_admission(req)
+                    elif req.recompute:
+                        self._recomputing.add(request_id)
+                    if reason == "preempt":
+                        self._preempted.add(request_id)
+                    elif reason == "finish" and self.turn_end_checkpoints and req.end == req.num_computed:
+                        for name, g in self.groups.items():
+                            g.keep_turn_end(req.states[name], req.token_ids, req.mm_items, req.num_computed)
+                    self._fresh.discard(request_id)
+                elif reason == "preempt":  # a repeat: the preempt mark follows its reason (an
+                    self._preempted.add(request_id)  # abort in between makes it a "cancel")
+                elif not (req.given_up and req.readmitted and not req.uncounted):
+                    self._preempted.discard(request_id)  # (a given-up readmission stays marked)
+                groups, states = self._group_list, req.states
+                while req.num_released < len(groups):
+                    g = groups[req.num_released]
+                    g.release(states[g.name])
+                    req.num_released += 1
+                self._pop_request(request_id)
+        except KeyboardInterrupt:
+            if request_id not in self._requests:  # (done, the interrupt raised after it)
+                self._interrupted = request_id
+            raise
         return True
 
     def reset_prefix_cache(self) -> bool:
