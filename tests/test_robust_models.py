@@ -150,6 +150,15 @@ def test_a_chat_template_that_fails_is_one_line_from_the_cli(tmp_path, capsys, m
         # int() read 1.5 as 1, and "two" in its own words, without the key
         ({"raw_kv": {"tokenizer.ggml.bos_token_id": 1.5}}, "tokenizer.ggml.bos_token_id must be a token id (an"),
         ({"raw_kv": {"tokenizer.ggml.eos_token_id": "two"}}, "tokenizer.ggml.eos_token_id must be a token id (an"),
+        # an id past the vocabulary was accepted: encode put the BOS id in front of every prompt
+        (
+            {"raw_kv": {"tokenizer.ggml.bos_token_id": 32}},
+            "tokenizer.ggml.bos_token_id is 32, not a token of the vocabulary of 32 tokens",
+        ),
+        (
+            {"raw_kv": {"tokenizer.ggml.eos_token_id": 1000}},
+            "tokenizer.ggml.eos_token_id is 1000, not a token of the vocabulary of 32 tokens",
+        ),
     ],
 )
 def test_tokenizer_metadata_of_the_wrong_shape_is_named_with_the_file(tmp_path, over, message):
@@ -159,6 +168,19 @@ def test_tokenizer_metadata_of_the_wrong_shape_is_named_with_the_file(tmp_path, 
     with pytest.raises(ValueError) as e:
         load_gguf(path)
     assert str(e.value).startswith(f"GGUF file {path}: GGUF metadata {message}")
+
+
+def test_a_bos_past_the_vocabulary_is_one_line_from_the_cli(tmp_path, capsys, monkeypatch):
+    """The last token (31 of 32) is a BOS; one past it is refused with the key and the size."""
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    load_gguf(write_gguf(tmp_path / "last.gguf", raw_kv={"tokenizer.ggml.bos_token_id": 31}))
+    path = write_gguf(tmp_path / "bos.gguf", raw_kv={"tokenizer.ggml.bos_token_id": 40})
+    assert main(["generate", "hi", "--model", path, "--no-chat"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"kvpool generate: error: GGUF file {path}: GGUF metadata tokenizer.ggml.bos_token_id is 40, "
+        "not a token of the vocabulary of 32 tokens\n"
+    ), err
 
 
 def test_a_merge_of_tokens_outside_the_vocabulary_is_one_line_from_the_cli(tmp_path, capsys, monkeypatch):

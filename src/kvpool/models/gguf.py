@@ -431,6 +431,9 @@ def read_tokenizer(reader: Any) -> TokenizerData:
     # space a TypeError traceback from the BPE model)
     if not all(isinstance(t, str) for t in tokens):
         raise ValueError("GGUF metadata tokenizer.ggml.tokens must be an array of strings")
+    for key, value in (("tokenizer.ggml.bos_token_id", bos), ("tokenizer.ggml.eos_token_id", eos)):
+        if value is not None and not 0 <= value < len(tokens):  # (a BOS past it was put in front of prompts)
+            raise ValueError(f"GGUF metadata {key} is {value}, not a token of the vocabulary of {len(tokens)} tokens")
     if token_types and len(token_types) != len(tokens):
         raise ValueError(
             f"GGUF metadata tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
