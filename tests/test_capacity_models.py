@@ -174,6 +174,23 @@ def test_sliding_patterns() -> None:
     assert all(w is None for w in load_preset("qwen3-8b").layer_windows)  # use_sliding_window: false
 
 
+def test_a_missing_sliding_window_is_sized_as_transformers_fills_it_in() -> None:
+    """MistralConfig's sliding_window defaults to 4096, and Qwen2Config / Qwen3Config fill in
+    4096 with use_sliding_window true (transformers 5.25): without the key, those layers
+    slide; an explicit null attends in full. A missing key was sized as full attention."""
+    base = {k: v for k, v in load_preset_config("qwen3-8b").items() if k not in ("sliding_window", "layer_types")}
+    n = base["num_hidden_layers"]
+    mistral = base | {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    assert from_hf_config(mistral).layer_windows == (4096,) * n
+    assert from_hf_config(mistral | {"sliding_window": None}).layer_windows == (None,) * n
+    assert from_hf_config(mistral | {"sliding_window": 512}).layer_windows == (512,) * n
+    for model_type in ("qwen2", "qwen3"):
+        qwen = base | {"model_type": model_type, "use_sliding_window": True, "max_window_layers": 2}
+        assert from_hf_config(qwen).layer_windows == (None, None) + (4096,) * (n - 2)
+        assert from_hf_config(qwen | {"sliding_window": None}).layer_windows == (None,) * n
+        assert from_hf_config(qwen | {"use_sliding_window": False}).layer_windows == (None,) * n
+
+
 def test_gpu_presets() -> None:
     assert set(GPUS) == {"H100", "H200", "B200"}
     assert get_gpu("h200").memory_bytes == 143_771 * (1 << 20)

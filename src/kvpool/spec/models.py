@@ -373,6 +373,9 @@ def _check_weights_fit(kind: str, what: str, num_params: int) -> None:
         )
 
 
+TRANSFORMERS_SLIDING_WINDOW = 4096  # MistralConfig's default (Qwen2's / Qwen3's with use_sliding_window)
+
+
 def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
     """Per-layer sliding window (None = full attention), from `layer_types` or the family rule."""
     window = cfg.get("sliding_window")
@@ -404,12 +407,20 @@ def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tup
         w = _positive(cfg, "sliding_window", model_type)
         pattern = _positive(cfg, "sliding_window_pattern", model_type, default=6)  # 5 local : 1 global
         return tuple(w if (i + 1) % pattern else None for i in range(num_layers))
-    if model_type in ("qwen2", "qwen3") and _flag(cfg, "use_sliding_window", model_type, False) and window:
+    # a missing sliding_window is the one transformers fills in (Qwen2Config / Qwen3Config with
+    # use_sliding_window true, MistralConfig always): those layers slide; an explicit null is full
+    # attention (transformers 5.25; it was sized as full attention, as if a key said so)
+    defaulted = "sliding_window" not in cfg
+    if (
+        model_type in ("qwen2", "qwen3")
+        and _flag(cfg, "use_sliding_window", model_type, False)
+        and (window or defaulted)
+    ):
         first = _non_negative(cfg, "max_window_layers", model_type, num_layers)
-        window = _positive(cfg, "sliding_window", model_type)
+        window = _positive(cfg, "sliding_window", model_type, default=TRANSFORMERS_SLIDING_WINDOW)
         return tuple(window if i >= first else None for i in range(num_layers))
-    if model_type == "mistral" and window:
-        return (_positive(cfg, "sliding_window", model_type),) * num_layers
+    if model_type == "mistral" and (window or defaulted):
+        return (_positive(cfg, "sliding_window", model_type, default=TRANSFORMERS_SLIDING_WINDOW),) * num_layers
     return (None,) * num_layers
 
 
