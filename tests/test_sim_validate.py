@@ -333,4 +333,4 @@ def test_a_preempted_request_finds_its_own_blocks_in_the_prefix_cache() -> None:
     cached = simulate_row(row)
     recomputed = simulate_row(dataclasses.replace(row, enable_prefix_caching=False))
     assert cached.preemptions > 0 and recomputed.preemptions > 0
-    assert cached.predicted > 2 * recomputed.predicted  # 21,253 against 9,274 tok/s (8 and 210 preemptions)
+    assert cached.predicted > 2 * recomputed.predicted  # 19,517 against 8,378 tok/s (8 and 210 preemptions)

@@ -431,8 +431,8 @@ def _few_shape(
     n = len(q_lens)
     # The leading rows' facts the rest relies on: one token each (so the step's total is
     # lead + the others' tokens, and they are decodes) over a context of at least that
-    # token. The lengths are the caller's (the runner's, from its chunks), not read from the
-    # buffers, so `num_lead` cannot vouch for them: checked here, an array's q_lens by their
+    # token. The lengths are the caller's (the runner's: its chunks' or the step buffers'
+    # host copy of the contexts), so `num_lead` cannot vouch for them: checked here, an array's q_lens by their
     # bytes against int64 ones (another dtype never matches) and the contexts by an argmin,
     # inline. A step that breaks them (or has fewer than lead sequences, or another count of
     # context lengths) goes to `_shape`, so its refusal, or its shape, is the twin's own.
