@@ -134,6 +134,41 @@ def test_a_missing_or_malformed_tokenizer_file_is_one_line_naming_it(tmp_path, c
     assert match in err and (name in err or "chat template" in match), err
 
 
+def _sentencepiece_tokenizer(directory: Path) -> None:
+    """A Llama-2-style tokenizer.json (Metaspace '▁', byte fallback, decoder Replace +
+    ByteFallback + Fuse + Strip), whose tokens decoded one by one lose their spaces."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    for w in ["▁", "▁Hello", "▁world", "H", "e", "l", "o"]:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    # (the premise: decoded alone, its tokens drop the space a whole decode keeps)
+    ids = [vocab["▁Hello"], vocab["▁world"]]
+    assert tok.decode(ids) == "Hello world" and "".join(tok.decode([i]) for i in ids) == "Helloworld"
+
+
+def test_a_sentencepiece_tokenizer_json_is_refused_naming_its_decoder(tmp_path, capsys):
+    _sentencepiece_tokenizer(tmp_path / "sp")
+    with pytest.raises(
+        ValueError,
+        match=r"sp/tokenizer\.json: its decoder is Sequence, not ByteLevel; kvpool takes only byte-level BPE",
+    ):
+        load_hf_tokenizer(tmp_path / "sp")
+    path = _qwen2_dir(tmp_path / "m")
+    _sentencepiece_tokenizer(path)
+    err = _file_error(tmp_path, capsys, ["generate", "hi", "--model", str(path), "--max-tokens", "2"])
+    assert "tokenizer.json: its decoder is Sequence, not ByteLevel" in err, err
+
+
 def _qwen2_dir(path: Path, dtype: torch.dtype = torch.float64, seed: int = 7):
     """A tiny random Qwen2 (test_qwen2's weights) and the tiny tokenizer, saved by transformers."""
     model = hf_model(hf_weights(False, seed), False, dtype)

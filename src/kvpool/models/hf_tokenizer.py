@@ -91,7 +91,8 @@ def _eos_ids(directory: Path) -> tuple[int, ...]:
 
 def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
     """The ChatTokenizer of an HF model directory. ValueError in one line naming the file for
-    a missing or malformed tokenizer.json, a malformed tokenizer_config.json /
+    a missing or malformed tokenizer.json, one whose decoder is not byte-level BPE (the text
+    streams decode token by token through GPT-2's byte alphabet), a malformed tokenizer_config.json /
     generation_config.json / chat_template.jinja, or a special token the vocabulary lacks."""
     d = Path(directory)
     path = d / TOKENIZER_JSON
@@ -103,6 +104,13 @@ def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
     except Exception as e:  # (the library raises a bare Exception: "expected value at line 1 column 1")
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{path}: not a tokenizers tokenizer.json ({reason})") from None
+    decoder = json.loads(raw).get("decoder")
+    kind = decoder.get("type") if isinstance(decoder, dict) else None
+    if kind != "ByteLevel":  # (TextStream and decoded_bytes read each token as GPT-2 byte-level text)
+        raise ValueError(
+            f"{path}: its decoder is {kind or 'none'}, not ByteLevel; kvpool takes only byte-level BPE tokenizers "
+            "(Llama 3, Qwen2, Mistral Nemo), not SentencePiece-style ones (Llama 2, Mistral 7B v0.1-v0.3)"
+        )
     config_path = d / TOKENIZER_CONFIG
     config = _json_object(config_path)
     names = {key: _token_text(config_path, key, config.get(key)) for key in _SPECIAL_NAMES}
