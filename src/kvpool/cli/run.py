@@ -288,10 +288,9 @@ def config_engine(args: argparse.Namespace):
     --dtype, over --num-blocks blocks or what --kv-memory holds; token ids in and out (no
     tokenizer), no tiers."""
     from kvpool.cache import CacheDescriptor
-    from kvpool.engine.build import build_engine
+    from kvpool.engine.build import build_engine, hf_weights_version
     from kvpool.engine.memory import check_fits
-    from kvpool.models.gguf import file_digest
-    from kvpool.models.hf_config import hf_tensors, hf_weight_files, llama_config, model_bytes, random_llama
+    from kvpool.models.hf_config import hf_tensors, llama_config, model_bytes, random_llama
     from kvpool.models.llama import LlamaModel
 
     directory = os.path.isdir(args.model)
@@ -310,8 +309,7 @@ def config_engine(args: argparse.Namespace):
     smaller = "a smaller model" if directory else "a smaller config.json"
     check_fits(model_bytes(hf.config, dtype), device, f"--model {args.model} with {weights}", smaller)
     if directory:  # an HF model directory: its own weights, named by their files' digest
-        files = hf_weight_files(args.model)
-        version = "safetensors:" + "-".join(file_digest(f) for f in files)
+        version = hf_weights_version(args.model)  # (load_model's: the tiers' blocks agree)
         model = LlamaModel.from_tensors(hf.config, hf_tensors(args.model, hf.config, dtype), device)
     else:
         version = f"random-seed{args.seed}"
