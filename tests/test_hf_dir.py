@@ -256,11 +256,21 @@ def test_the_llm_class_chats_with_an_hf_directory(tmp_path):
     from kvpool import LLM
 
     path = _qwen2_dir(tmp_path / "qwen2", torch.float32)
-    llm = LLM(str(path), kv_cache_bytes=1 << 20)
+    llm = LLM(str(path) + "/", kv_cache_bytes=1 << 20)
+    assert llm.model_name == "qwen2"  # (not "qwen2/")
     out = llm.chat("Hello world", SamplingParams(max_tokens=5, ignore_eos=True))[0]
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Hello world"}])
     ref, gap = _hf_greedy(path, torch.float32, prompt, 5)
     assert gap > 1e-3 and out.token_ids == ref and out.prompt_token_ids == prompt
+
+
+def test_a_served_directory_is_named_by_its_own_name(tmp_path, monkeypatch):
+    from kvpool.cli.serve import served_name
+
+    (tmp_path / "q").mkdir()
+    monkeypatch.chdir(tmp_path / "q")
+    assert served_name(".") == "q" and served_name("../q/") == "q" and served_name("sub/..") == "q"
+    assert served_name("m.gguf") == "m" and served_name(None) == "smollm2-135m"
 
 
 def test_llm_chat_and_a_served_chat_take_the_templates_bos_alone(tmp_path):

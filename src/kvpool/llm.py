@@ -134,7 +134,7 @@ class LLM:
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         seed = checked_seed(seed)
-        self.model_name = DEFAULT_MODEL if path is None else model
+        self.model_name = DEFAULT_MODEL if path is None else os.path.basename(os.path.abspath(path))  # ("q/": "q")
         self.loaded = load_model(path)
         self.tokenizer = self.loaded.tokenizer
         self.engine: Engine = build_engine(

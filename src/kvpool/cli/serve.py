@@ -126,6 +126,12 @@ def _bind(host: str, port_number: int) -> socket.socket:
     return sock
 
 
+def served_name(gguf: str | None) -> str:
+    """The name /v1/models gives a --model path: its file's or directory's own name without
+    ".gguf" (of the absolute path: `--model .` and `--model q/` are the directory's name)."""
+    return DEFAULT_MODEL if gguf is None else os.path.basename(os.path.abspath(gguf)).removesuffix(".gguf")
+
+
 def run(args: argparse.Namespace) -> int:
 
     if args.model in ENGINE_MODELS and args.model != DEFAULT_MODEL:
@@ -144,8 +150,7 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(
             f"--model {gguf!r}: no such GGUF file nor HF model directory (with a config.json) (or give {DEFAULT_MODEL})"
         )
-    base = None if gguf is None else os.path.basename(os.path.normpath(gguf)).removesuffix(".gguf")
-    name = args.served_model_name or base or DEFAULT_MODEL
+    name = args.served_model_name or served_name(gguf)
     sock = _bind(args.host, args.port)
     try:
         return _serve(args, sock, gguf, name, kv_bytes, api_keys, max_request_bytes)
