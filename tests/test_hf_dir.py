@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -121,7 +122,7 @@ def _file_error(tmp_path, capsys, argv) -> str:
         ("tokenizer_config.json", '{"eos_token": "<nope>"}', "eos_token '<nope>' is not in tokenizer.json's"),
         ("tokenizer_config.json", '{"eos_token": 7}', "tokenizer_config.json: eos_token is 7, not a token's text"),
         ("generation_config.json", '{"eos_token_id": "x"}', "generation_config.json: eos_token_id is 'x'"),
-        ("chat_template.jinja", "{% for %}", "chat template is not valid jinja (line 1)"),
+        ("chat_template.jinja", "{% for %}", "chat_template.jinja's chat template is not valid jinja (line 1)"),
     ],
 )
 def test_a_missing_or_malformed_tokenizer_file_is_one_line_naming_it(tmp_path, capsys, name, text, match):
@@ -131,7 +132,34 @@ def test_a_missing_or_malformed_tokenizer_file_is_one_line_naming_it(tmp_path, c
     else:
         (path / name).write_text(text)
     err = _file_error(tmp_path, capsys, ["generate", "hi", "--model", str(path), "--max-tokens", "2"])
-    assert match in err and (name in err or "chat template" in match), err
+    assert match in err and name in err, err
+
+
+def test_a_template_error_names_the_file_that_held_the_template(tmp_path):
+    path = _qwen2_dir(tmp_path / "m")
+    (path / "chat_template.jinja").unlink()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{% for %}"}))
+    with pytest.raises(ValueError, match=r"m/tokenizer_config\.json's chat template is not valid jinja \(line 1\)"):
+        load_hf_tokenizer(path).render_chat(CHAT)
+
+
+def test_named_templates_without_a_default_refuse_only_a_chat(tmp_path, capsys):
+    """transformers loads such a tokenizer and asks for a name only when a template is applied:
+    raw text still runs; a chat is refused in one line naming the file and the names."""
+    path = _qwen2_dir(tmp_path / "m")
+    (path / "chat_template.jinja").unlink()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    named = [{"name": "tool_use", "template": "{{ messages[0]['content'] }}"}]
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": named}))
+    tok = load_hf_tokenizer(path)
+    assert tok.encode("Hello world") == transformers.AutoTokenizer.from_pretrained(path)("Hello world")["input_ids"]
+    why = "tokenizer_config.json: chat_template lists ['tool_use'], none named 'default'; use raw text (--no-chat)"
+    with pytest.raises(ValueError, match=re.escape(why)):
+        tok.render_chat(CHAT)
+    capsys.readouterr()
+    assert main(["generate", "Hello world", "--no-chat", "--model", str(path), "--max-tokens", "2"]) == 0
+    assert why in _file_error(tmp_path, capsys, ["generate", "Hello world", "--model", str(path), "--max-tokens", "2"])
 
 
 def _sentencepiece_tokenizer(directory: Path) -> None:

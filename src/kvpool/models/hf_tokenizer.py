@@ -59,23 +59,29 @@ def _token_text(path: Path, key: str, value: Any) -> str | None:
     raise ValueError(f"{path}: {key} is {value!r}, not a token's text")
 
 
-def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
+def _chat_template(directory: Path, config: dict[str, Any]) -> tuple[str | None, str, str | None]:
+    """(template, where it came from as "FILE's", why there is none): chat_template.jinja, else
+    tokenizer_config.json's chat_template. A list of named templates without "default" loads
+    without one (transformers asks for a name only when a template is applied): its reason
+    is render_chat's error, so raw text (--no-chat, /v1/completions) still runs."""
     jinja_file = directory / CHAT_TEMPLATE_FILE
     if jinja_file.is_file():
         try:
-            return jinja_file.read_text(encoding="utf-8")
+            return jinja_file.read_text(encoding="utf-8"), f"{jinja_file}'s", None
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"{jinja_file}: not readable UTF-8 text ({e})") from None
     template = config.get("chat_template")
     where = directory / TOKENIZER_CONFIG
+    if template is None:
+        return None, f"{directory}'s", None
     if isinstance(template, list):  # named templates: transformers uses "default"
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if "default" not in named:
-            raise ValueError(f"{where}: chat_template lists {sorted(map(str, named))}, none named 'default'")
+            return None, f"{where}'s", f"{where}: chat_template lists {sorted(map(str, named))}, none named 'default'"
         template = named["default"]
     if template is not None and not isinstance(template, str):
         raise ValueError(f"{where}: chat_template is a {type(template).__name__}, not a template's text")
-    return template
+    return template, f"{where}'s", None
 
 
 def _eos_ids(directory: Path) -> tuple[int, ...]:
@@ -123,7 +129,7 @@ def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     if any(i >= vocab for i in stops):
         raise ValueError(f"{d / GENERATION_CONFIG}: eos_token_id {list(stops)} is past the vocabulary ({vocab})")
-    template = _chat_template(d, config)
+    template, template_source, template_absent = _chat_template(d, config)
     version = "hf-tokenizer:" + xxhash.xxh3_64_hexdigest(raw + b"\0" + json.dumps(config, sort_keys=True).encode())
     return ChatTokenizer(
         tokenizer,
@@ -132,7 +138,8 @@ def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
         ids["eos_token"],
         add_bos_token=False,  # (tokenizer.json's post-processor adds a BOS where the model takes one)
         version=version,
-        template_source=f"{d}'s",
+        template_source=template_source,
+        template_absent=template_absent,
         template_vars=chat_template_vars(names),  # (its special tokens' texts, tools=None, strftime_now)
         stop_token_ids=stops,
         post_process=True,

@@ -101,6 +101,7 @@ class ChatTokenizer:
     version: str  # part of the cache descriptor: a different tokenizer must never hit the cache
     # an HF directory's (models/hf_tokenizer.py); a GGUF's keep these defaults
     template_source: str = "the GGUF's"  # names where the chat template came from, in its errors
+    template_absent: str | None = None  # why there is none (render_chat's error): a named list without "default"
     template_vars: dict[str, Any] = field(default_factory=dict)  # chat_template_vars: bos_token, eos_token, tools, ...
     stop_token_ids: tuple[int, ...] = ()  # generation_config.json's eos ids, besides eos_token_id
     post_process: bool = False  # encode runs tokenizer.json's post-processor (transformers' add_special_tokens)
@@ -129,6 +130,8 @@ class ChatTokenizer:
         """The chat template (jinja2, as shipped in the GGUF or the HF directory) applied to
         `messages`, with `template_vars` (the special tokens' texts, tools=None, strftime_now)."""
         if not self.chat_template:
+            if self.template_absent is not None:
+                raise ValueError(f"{self.template_absent}; use raw text (--no-chat)")
             if self.template_source == "the GGUF's":
                 raise ValueError("this GGUF has no tokenizer.chat_template; use raw text (--no-chat)")
             raise ValueError(f"{self.template_source} chat template is absent; use raw text (--no-chat)")
