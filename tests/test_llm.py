@@ -118,7 +118,7 @@ def test_model_names_resolve_as_the_commands_do(tmp_path):
     assert gguf_path(str(model)) == str(model)
     with pytest.raises(ValueError, match="neither 'smollm2-135m' nor a GGUF file"):
         gguf_path(str(tmp_path / "missing.gguf"))
-    with pytest.raises(TypeError, match="model must be a name or a GGUF path, got int"):
+    with pytest.raises(TypeError, match="model must be a name, a GGUF path or an HF model directory, got int"):
         gguf_path(3)
 
 

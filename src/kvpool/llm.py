@@ -40,7 +40,7 @@ def gguf_path(model: str | None) -> str | None:
     any case, as the commands' --model), else the path of an existing file or HF model
     directory (config.json, safetensors, tokenizer.json)."""
     if model is not None and not isinstance(model, str):
-        raise TypeError(f"model must be a name or a GGUF path, got {type(model).__name__}")
+        raise TypeError(f"model must be a name, a GGUF path or an HF model directory, got {type(model).__name__}")
     if model is None or (model.lower() == DEFAULT_MODEL and not os.path.exists(model)):
         return None
     if not os.path.isfile(model) and not os.path.isfile(os.path.join(model, "config.json")):  # (an HF directory)
@@ -99,8 +99,9 @@ class GenerateOutput:
 class LLM:
     """A loaded model and an engine over it.
 
-    model: "smollm2-135m" or None (the embedded SmolLM2-135M-Instruct), or the path of a
-    Llama-architecture GGUF file. kv_cache_bytes: the KV pool's memory (256 MiB by default,
+    model: "smollm2-135m" or None (the embedded SmolLM2-135M-Instruct), the path of a
+    Llama-architecture GGUF file, or an HF model directory (config.json, safetensors,
+    tokenizer.json). kv_cache_bytes: the KV pool's memory (256 MiB by default,
     as `kvpool run`); block_size, max_num_seqs, max_num_batched_tokens and
     enable_prefix_caching as the engine's (vLLM's names); kv_cache_dtype: a KV storage
     format (`kvpool plan --help` lists them; None keeps the model's dtype, fp32). seed
