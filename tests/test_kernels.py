@@ -78,6 +78,32 @@ def test_add_rms_norm_matches_torch(kernels, hidden, with_delta):
     assert kernel_ulps <= 2 * twin_ulps + 4, (kernel_ulps, twin_ulps)
 
 
+@pytest.mark.parametrize("d", [6, 24, 128])
+def test_head_rms_norm_norms_each_q_and_k_head_of_strided_rows_in_place(kernels, d):
+    """Qwen3's q / k norms: the first q heads of each row by wq, the next k heads by wk, the
+    rest (V, and the row's padding) untouched; the bound of test_add_rms_norm over d values."""
+    torch.manual_seed(d)
+    n, hq, hk, total = 5, 4, 2, 8  # two V heads left alone
+    qkv = (torch.randn(n, total * d + 3) * 30)[:, : total * d]  # strided rows
+    before = qkv.clone()
+    wq, wk = torch.randn(d), torch.randn(d)
+    kernels.head_rms_norm(qkv, hq, hk, d, wq, wk, EPS)
+    x = before[:, : (hq + hk) * d].view(n, hq + hk, d)
+    w = torch.cat([wq.expand(hq, d), wk.expand(hk, d)])
+    twin = torch.cat([F.rms_norm(x[:, :hq], (d,), wq, EPS), F.rms_norm(x[:, hq:], (d,), wk, EPS)], 1)
+    x64 = x.double()
+    exact = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + EPS32) * w.double()
+    got = qkv[:, : (hq + hk) * d].view(n, hq + hk, d)
+    twin_ulps, kernel_ulps = ulps(twin, exact).max().item(), ulps(got, exact).max().item()
+    assert twin_ulps <= d / 2 + 6
+    assert kernel_ulps <= 2 * twin_ulps + 4, (kernel_ulps, twin_ulps)
+    assert torch.equal(qkv[:, (hq + hk) * d :], before[:, (hq + hk) * d :])
+    with pytest.raises(ValueError, match="wk must be a contiguous"):
+        kernels.head_rms_norm(qkv, hq, hk, d, wq, torch.randn(d + 1), EPS)
+    with pytest.raises(ValueError, match="does not hold 11 heads"):
+        kernels.head_rms_norm(qkv, hq, hk + 5, d, wq, wk, EPS)
+
+
 def rope_reference(x: torch.Tensor, pos: torch.Tensor, d: int, theta: float = 10000.0) -> torch.Tensor:
     """HF Llama's rotate-half RoPE, written out: x [N, heads, d]."""
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)

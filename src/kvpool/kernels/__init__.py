@@ -50,6 +50,7 @@ _f = ctypes.c_float
 _SIGNATURES = {
     # name: (restype, argtypes)
     "kv_add_rms_norm": (None, [_p, _p, _p, _p, _i, _i, _f]),
+    "kv_head_rms_norm": (None, [_p, _i, _i, _i, _i, _i, _p, _p, _f]),
     "kv_rope": (ctypes.c_int, [_p, _i, _i, _i, _i, _p, _p, _p, _i]),
     "kv_write": (ctypes.c_int, [_p, _p, _i, _i, _i, _i, _p, _i, _i, _p, _p]),
     "kv_decode_attention": (ctypes.c_int, [_p, _i, _i, _p, _i, _p, _i, _p, _p, _p, _p, _i, _i, _i, _i, _i, _f, _p, _i]),
@@ -292,6 +293,23 @@ class CpuKernels:
         dptr = delta.data_ptr() if delta is not None else None
         self.lib.kv_add_rms_norm(x.data_ptr(), dptr, weight.data_ptr(), out.data_ptr(), n, hidden, eps)
         return out
+
+    def head_rms_norm(
+        self, x: torch.Tensor, q_heads: int, k_heads: int, head_dim: int, wq: torch.Tensor, wk: torch.Tensor, eps: float
+    ) -> None:
+        """RMSNorm in place over each head of the first q_heads + k_heads heads of each row of
+        x [N, >= (q_heads + k_heads) * head_dim] (rows may be strided): the first q_heads
+        scaled by wq [head_dim], the next k_heads by wk [head_dim] (Qwen3's q / k norms)."""
+        _check(x, "x")
+        for t, name in ((wq, "wq"), (wk, "wk")):
+            _check(t, name)
+            if not t.is_contiguous() or t.shape != (head_dim,):
+                raise ValueError(f"{name} must be a contiguous [{head_dim}], got {tuple(t.shape)}")
+        if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] < (q_heads + k_heads) * head_dim:
+            raise ValueError(f"x {tuple(x.shape)} does not hold {q_heads + k_heads} heads of {head_dim} in its rows")
+        self.lib.kv_head_rms_norm(
+            x.data_ptr(), x.shape[0], x.stride(0), q_heads, k_heads, head_dim, wq.data_ptr(), wk.data_ptr(), eps
+        )
 
     def rope(
         self,

@@ -111,6 +111,22 @@ void kv_add_rms_norm(float *x, const float *delta, const float *w, float *out, i
     }
 }
 
+/* RMSNorm in place over each head of the first hq + hk heads of each row of x [n, row_stride]
+ * (heads of d values): heads [0, hq) scaled by wq [d], heads [hq, hq + hk) by wk [d]; Qwen3's
+ * q / k norms on the qkv rows before RoPE, as kv_add_rms_norm rounds a row. */
+void kv_head_rms_norm(float *x, int64_t n, int64_t row_stride, int64_t hq, int64_t hk, int64_t d, const float *wq,
+                      const float *wk, float eps) {
+#pragma omp parallel for schedule(static) if (n * (hq + hk) * d >= PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < n; r++) {
+        for (int64_t h = 0; h < hq + hk; h++) {
+            float *v = x + r * row_stride + h * d;
+            const float *w = h < hq ? wq : wk;
+            float inv = 1.0f / sqrtf(sum_squares(v, d) / (float)d + eps);
+            for (int64_t i = 0; i < d; i++) v[i] = (v[i] * inv) * w[i];
+        }
+    }
+}
+
 /* Rotate-half RoPE in place on the first `heads` heads of each row of x [n, row_stride]:
  * v = v * cos + [v2 | v1] * sin_signed, cos / sin_signed [max_position, d] (sin_signed is
  * [-sin | +sin]), row r at position pos[r]. Returns -1 (nothing rotated) for a position

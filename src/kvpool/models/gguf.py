@@ -64,6 +64,9 @@ class LlamaConfig:
     rope_freq_divisors: tuple[float, ...] | None = None
     # biases on the Q, K and V projections (Qwen2), held fused as bqkv [(H + 2 KVH) * D]
     qkv_bias: bool = False
+    # an RMSNorm over each query and key head after the projection, before RoPE (Qwen3): the
+    # weights q_norm / k_norm [D] of each layer, eps rms_norm_eps
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         d = self.rope_freq_divisors

@@ -32,16 +32,18 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 LAYER_PARTS = ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "ffn_norm")
 BIAS_PARTS = ("q_bias", "k_bias", "v_bias")  # a model with qkv_bias (Qwen2) has these too
+QK_NORM_PARTS = ("q_norm", "k_norm")  # a model with qk_norm (Qwen3) has these too, [head_dim] each, kept as they are
 
 
 def layer_parts(config: LlamaConfig) -> tuple[str, ...]:
     """The unfused tensors of one layer (GGUF / HF names' short forms)."""
-    return LAYER_PARTS + BIAS_PARTS if config.qkv_bias else LAYER_PARTS
+    return LAYER_PARTS + (BIAS_PARTS if config.qkv_bias else ()) + (QK_NORM_PARTS if config.qk_norm else ())
 
 
 class LlamaModel:
     """Fused layer weights stored transposed, [in, out]: wqkv [hidden, (H + 2 KVH) * D]
-    (and its bias bqkv [(H + 2 KVH) * D] with config.qkv_bias: Qwen2),
+    (and its bias bqkv [(H + 2 KVH) * D] with config.qkv_bias: Qwen2; with config.qk_norm
+    the per-head norm weights q_norm / k_norm [D], Qwen3's, applied before RoPE),
     wo [H * D, hidden], w_gate_up [hidden, 2 * I], w_down [I, hidden]; the embedding
     [vocab, hidden] row-major, which also serves as the LM head when the two are tied
     (SmolLM2: no second copy; an untied `lm_head` is kept [vocab, hidden] too).
@@ -83,6 +85,8 @@ class LlamaModel:
         # the norm weights' addresses for the fused forward: they never move
         self._norm_ptrs = [layer["attn_norm"].data_ptr() for layer in self.layers] + [self.norm.data_ptr()]
         self._ffn_norm_ptrs = [layer["ffn_norm"].data_ptr() for layer in self.layers]
+        if config.qk_norm:
+            self._qk_norm_ptrs = [(layer["q_norm"].data_ptr(), layer["k_norm"].data_ptr()) for layer in self.layers]
         self.step_buffer_bytes = 0  # what the last forward allocated for its step (the memory ledger)
         # tensor parallelism (models/tensor_parallel.py): the partial sums of the attention
         # output and MLP down projections are summed over the ranks in place; None: one rank
@@ -121,6 +125,8 @@ class LlamaModel:
         }
         if c.qkv_bias:
             parts["bqkv"] = (qkv,)
+        if c.qk_norm:
+            parts["q_norm"] = parts["k_norm"] = (c.head_dim,)
         for i, layer in enumerate(self.layers):
             if set(layer) != set(parts):
                 raise ValueError(f"layer {i} holds {sorted(layer)}, not the fused parts {sorted(parts)}")
@@ -137,6 +143,7 @@ class LlamaModel:
     def fuse_layer(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One layer's GGUF tensors (HF names, [out, in]) in the fused [in, out] layout."""
         bias = {"bqkv": torch.cat([parts["q_bias"], parts["k_bias"], parts["v_bias"]])} if "q_bias" in parts else {}
+        bias |= {p: parts[p].contiguous() for p in QK_NORM_PARTS if p in parts}
         return bias | {
             "attn_norm": parts["attn_norm"].contiguous(),
             "ffn_norm": parts["ffn_norm"].contiguous(),
@@ -204,7 +211,7 @@ class LlamaModel:
     ) -> LlamaModel:
         """The model from `state_tensors()`' names and layout (no copy: tensors are used as
         they are, e.g. memory-mapped from the weight cache)."""
-        fused = cls.FUSED_PARTS + (("bqkv",) if config.qkv_bias else ())
+        fused = cls.FUSED_PARTS + (("bqkv",) if config.qkv_bias else ()) + (QK_NORM_PARTS if config.qk_norm else ())
         layers = [{k: state[f"layers.{i}.{k}"] for k in fused} for i in range(config.num_layers)]
         lm_head = None if config.tie_embeddings else state["lm_head"]
         return cls(config, state["embed"], state["norm"], layers, lm_head, device, kernels)
@@ -273,7 +280,8 @@ class LlamaModel:
         cfg = self.config
         n = token_ids.shape[0]
         self.step_buffer_bytes = self.forward_buffer_bytes(n)  # tensors of these shapes, made a layer at a time
-        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, kvh, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        qk_norm = cfg.qk_norm
         cos = self.cos[positions].unsqueeze(1).to(self.dtype)
         sin = self.sin_signed[positions].unsqueeze(1).to(self.dtype)
         x = self.embed[token_ids]
@@ -282,8 +290,13 @@ class LlamaModel:
             qkv = hs @ layer["wqkv"]  # [N, (H + 2 KVH) * D]
             if "bqkv" in layer:
                 qkv += layer["bqkv"]  # (in place: the product is this step's own tensor)
+            qk = qkv[:, : (h + kvh) * d].view(n, h + kvh, d)
+            if qk_norm:  # Qwen3: each head's q and k normed over D, before RoPE
+                qk = torch.cat(
+                    [_rms_norm(qk[:, :h], layer["q_norm"], eps), _rms_norm(qk[:, h:], layer["k_norm"], eps)], 1
+                )
             # RoPE on q and k together: [N, H + KVH, D]
-            qk = self._rope(qkv[:, : (h + kvh) * d].view(n, h + kvh, d), cos, sin)
+            qk = self._rope(qk, cos, sin)
             q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
             attn = attend(i, q, k, v.contiguous())
@@ -303,7 +316,7 @@ class LlamaModel:
     def _forward_fused(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """The same layers with the C kernels between the matmuls, into buffers made once per
         step: a layer is 4 matmuls (out=) and 4 calls, x += o fused into the next norm.
-            hs = norm(x); qkv = hs @ wqkv; rope(q, k) in place; attn = attend(q, k, v)
+            hs = norm(x); qkv = hs @ wqkv; (Qwen3: norm each q / k head); rope(q, k) in place; attn = attend(q, k, v)
             x += attn @ wo; hs = norm(x); act = silu(gate) * up; x += act @ w_down
         Returns hidden [N, hidden]. The kernels run unchecked (`kernels.lib`) on buffers
         made here, all contiguous fp32; positions were range-checked by `forward`. q / k / v
@@ -329,12 +342,15 @@ class LlamaModel:
         xp, hsp, dp, qkvp, gup, actp = (t.data_ptr() for t in buffers)
         posp, cosp, sinp = positions.data_ptr(), self.cos.data_ptr(), self.sin_signed.data_ptr()
         norms = self._norm_ptrs  # attn_norm of each layer, then the final norm
+        qk_norms = self._qk_norm_ptrs if cfg.qk_norm else None  # (Qwen3's q / k norm weights of each layer)
         lib.kv_add_rms_norm(xp, None, norms[0], hsp, n, hidden, eps)
         for i, layer in enumerate(self.layers):
             if "bqkv" in layer:
                 torch.addmm(layer["bqkv"], hs, layer["wqkv"], out=qkv)
             else:
                 torch.mm(hs, layer["wqkv"], out=qkv)
+            if qk_norms is not None:
+                lib.kv_head_rms_norm(qkvp, n, qkv.shape[1], h, kvh, d, *qk_norms[i], eps)
             if lib.kv_rope(qkvp, n, qkv.shape[1], h + kvh, d, posp, cosp, sinp, cfg.max_position):
                 # (a metadata.max_position below the true largest position skipped forward's check,
                 # and the kernel's refusal left q and k unrotated without a word)

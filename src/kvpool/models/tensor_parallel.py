@@ -2,7 +2,8 @@
 
 Rank r of T keeps query heads [r H/T, (r+1) H/T), KV heads [r KVH/T, (r+1) KVH/T), and
 MLP columns [r I/T, (r+1) I/T): the fused wqkv and w_gate_up split by output columns (a
-Qwen2's Q / K / V bias bqkv with its heads' columns), wo and w_down by input rows. Each
+Qwen2's Q / K / V bias bqkv with its heads' columns), wo and w_down by input rows; a Qwen3's
+q / k norm weights (one [head_dim] vector for all heads) are whole on every rank. Each
 rank's attention reads only its own KV heads, so its KV pool holds 1/T of every block
 (storage/kv.py on the sharded config): a block table, and so every cache decision, is the
 same on every rank. The partial products of wo and w_down are
@@ -42,7 +43,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from kvpool.models.llama import LlamaModel
+from kvpool.models.llama import QK_NORM_PARTS, LlamaModel
 
 T = TypeVar("T")
 LOST_PEER_WAIT_S = 2.0  # how long a failed collective waits to see which peer's process ended
@@ -213,8 +214,11 @@ def shard_llama(model: LlamaModel, rank: int, world: int, group: dist.ProcessGro
         up = slice(cfg.intermediate_size + rank * inter, cfg.intermediate_size + (rank + 1) * inter)
         # Q / K / V biases (Qwen2) go with their heads' columns; wo's and w_down's rows take none
         bias = layer.get("bqkv")
+        # Qwen3's q / k norms weigh each head's D values alike: every rank holds them whole
+        qk_norms = {p: layer[p] for p in QK_NORM_PARTS if p in layer}
         layers.append(
             ({} if bias is None else {"bqkv": torch.cat([bias[q_cols], bias[k_cols], bias[v_cols]]).contiguous()})
+            | qk_norms
             | {
                 "attn_norm": layer["attn_norm"],
                 "ffn_norm": layer["ffn_norm"],
