@@ -243,13 +243,20 @@ SMALL = LlamaConfig(2, 64, 160, 4, 2, 16, 10000.0, 1e-5, 300, 256, False)
 
 
 @pytest.mark.parametrize(
-    ("tied", "scaled", "qwen2"),
-    [(False, False, False), (True, False, False), (False, True, False), (True, False, True)],
+    ("tied", "scaled", "family"),
+    [
+        (False, False, "llama"),
+        (True, False, "llama"),
+        (False, True, "llama"),
+        (True, False, "qwen2"),
+        (False, False, "qwen3"),
+    ],
 )
-def test_transformers_and_the_plain_forward_hold_the_engines_weights(tied, scaled, qwen2):
+def test_transformers_and_the_plain_forward_hold_the_engines_weights(tied, scaled, family):
     """scaled: Llama 3.1's RoPE scaling (the llama-3.1-8b preset's kind; its original
     context 64 here, so that 20 positions see it), which transformers' copy takes too.
-    qwen2: Q / K / V biases (a qwen2 config.json), in transformers' Qwen2ForCausalLM."""
+    qwen2: Q / K / V biases (a qwen2 config.json), in transformers' Qwen2ForCausalLM;
+    qwen3: q / k norms and a head dim of 24 (not hidden / heads), in Qwen3ForCausalLM."""
     pytest.importorskip("transformers")
     from dataclasses import replace
 
@@ -257,9 +264,12 @@ def test_transformers_and_the_plain_forward_hold_the_engines_weights(tied, scale
     from kvpool.models.rope import llama3_divisors
 
     divisors = llama3_divisors(16, 10000.0, 8.0, 1.0, 4.0, 64) if scaled else None
-    cfg = replace(SMALL, tie_embeddings=tied, rope_freq_divisors=divisors, qkv_bias=qwen2)
+    qwen3 = {"qk_norm": True, "head_dim": 24} if family == "qwen3" else {}
+    cfg = replace(SMALL, tie_embeddings=tied, rope_freq_divisors=divisors, qkv_bias=family == "qwen2", **qwen3)
     hf = transformers_llama(cfg, 3, torch.float64, "cpu")  # fp64: equal but for summation order
-    assert type(hf).__name__ == ("Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM")
+    assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
+        family, "Qwen3ForCausalLM"
+    )
     ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = hf(ids).logits  # [2, 20, vocab]

@@ -127,7 +127,7 @@ def test_llama3_and_linear_rope_are_read_as_divisors(tmp_path, changes):
 @pytest.mark.parametrize(
     "changes, match",
     [
-        ({"model_type": "gemma2"}, r"model_type 'gemma2' is not a Llama-family model \(llama, mistral, qwen2\)"),
+        ({"model_type": "gemma2"}, r"model_type 'gemma2' is not a Llama-family model \(llama, mistral, qwen2, qwen3\)"),
         ({"attention_bias": True}, "attention_bias True is not modelled"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not modelled"),
         ({"sliding_window": 4096}, "sliding_window 4096"),

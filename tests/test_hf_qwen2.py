@@ -36,10 +36,10 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def save_dir(path, tied: bool, **save) -> tuple[object, object]:
-    """transformers' fp64 Qwen2 of test_qwen2's random weights, saved to `path` by
-    save_pretrained (safetensors): (the model, the path)."""
-    model = hf_model(hf_weights(tied), tied, torch.float64)
+def save_dir(path, tied: bool, family: str = "qwen2", **save) -> tuple[object, object]:
+    """transformers' fp64 Qwen2 (Qwen3 of family "qwen3") of test_qwen2's random weights,
+    saved to `path` by save_pretrained (safetensors): (the model, the path)."""
+    model = hf_model(hf_weights(tied, family=family), tied, torch.float64, family)
     model.save_pretrained(path, **save)
     return model, path
 

@@ -25,6 +25,7 @@ from test_rope_scaling import _engine_rows, _Fp64Torch, _norm_in_input_dtype, _r
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
+from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,13 +34,24 @@ C_FP32 = 3.0  # as tests/test_model.py's
 # the tiny Llama's sizes, with Qwen2's norm epsilon and RoPE base
 HF = {k: v for k, v in TINY_HF_LLAMA.items() if k not in ("model_type", "tie_word_embeddings")}
 HF.update(rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=False)
+# Qwen3 (tests/test_hf_qwen3.py): the same sizes with a head dim that is not hidden / heads (16)
+HF3 = {**HF, "head_dim": 24}
+# family -> (its sizes, transformers' modeling module, its config and model classes)
+FAMILIES = {
+    "qwen2": (HF, modeling_qwen2, transformers.Qwen2Config, modeling_qwen2.Qwen2ForCausalLM),
+    "qwen3": (HF3, modeling_qwen3, transformers.Qwen3Config, modeling_qwen3.Qwen3ForCausalLM),
+}
 IDS = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(2)).tolist()
 
 
-def hf_weights(tied: bool, seed: int = 7) -> dict[str, torch.Tensor]:
-    """Random Qwen2 weights in transformers' names, fp64 (the biases O(1): they matter)."""
+def hf_weights(tied: bool, seed: int = 7, family: str = "qwen2") -> dict[str, torch.Tensor]:
+    """Random Qwen2 weights in transformers' names, fp64 (the biases O(1): they matter); of
+    family "qwen3" no biases, and q / k norm weights 1 + N(0, 0.3^2) in their place."""
     g = torch.Generator().manual_seed(seed)
-    h, i, d, kv = HF["hidden_size"], HF["intermediate_size"], 16, 2 * 16
+    cfg = FAMILIES[family][0]
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    d = cfg.get("head_dim", h // cfg["num_attention_heads"])
+    kv = cfg["num_key_value_heads"] * d
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
@@ -52,7 +64,10 @@ def hf_weights(tied: bool, seed: int = 7) -> dict[str, torch.Tensor]:
         shapes = {"q": (4 * d, h), "k": (kv, h), "v": (kv, h)}
         for x, shape in shapes.items():
             w[p + f"self_attn.{x}_proj.weight"] = randn(*shape, scale=h**-0.5)
-            w[p + f"self_attn.{x}_proj.bias"] = randn(shape[0])
+            if family == "qwen2":
+                w[p + f"self_attn.{x}_proj.bias"] = randn(shape[0])
+            elif x != "v":
+                w[p + f"self_attn.{x}_norm.weight"] = 1 + 0.3 * randn(d)
         w[p + "self_attn.o_proj.weight"] = randn(h, 4 * d, scale=(4 * d) ** -0.5)
         w[p + "mlp.gate_proj.weight"] = randn(i, h, scale=h**-0.5)
         w[p + "mlp.up_proj.weight"] = randn(i, h, scale=h**-0.5)
@@ -72,23 +87,36 @@ _GGUF_NAMES = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
-def write_gguf(path, weights: dict[str, torch.Tensor], skip: tuple[str, ...] = (), extra: dict | None = None) -> str:
-    """A qwen2 GGUF of `weights` in F32 (llama.cpp's names; Q / K rows as they are)."""
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_block_count(HF["num_hidden_layers"])
-    w.add_context_length(HF["max_position_embeddings"])
-    w.add_embedding_length(HF["hidden_size"])
-    w.add_feed_forward_length(HF["intermediate_size"])
-    w.add_head_count(HF["num_attention_heads"])
-    w.add_head_count_kv(HF["num_key_value_heads"])
-    w.add_rope_freq_base(HF["rope_theta"])
-    w.add_layer_norm_rms_eps(HF["rms_norm_eps"])
+def write_gguf(
+    path,
+    weights: dict[str, torch.Tensor],
+    skip: tuple[str, ...] = (),
+    extra: dict | None = None,
+    family: str = "qwen2",
+) -> str:
+    """A `family` GGUF of `weights` in F32 (llama.cpp's names; Q / K rows as they are); a
+    qwen3's head dim in attention.key_length / value_length, as llama.cpp's converter writes it."""
+    sizes = FAMILIES[family][0]
+    w = gguf.GGUFWriter(str(path), family)
+    if "head_dim" in sizes:
+        w.add_key_length(sizes["head_dim"])
+        w.add_value_length(sizes["head_dim"])
+    w.add_block_count(sizes["num_hidden_layers"])
+    w.add_context_length(sizes["max_position_embeddings"])
+    w.add_embedding_length(sizes["hidden_size"])
+    w.add_feed_forward_length(sizes["intermediate_size"])
+    w.add_head_count(sizes["num_attention_heads"])
+    w.add_head_count_kv(sizes["num_key_value_heads"])
+    w.add_rope_freq_base(sizes["rope_theta"])
+    w.add_layer_norm_rms_eps(sizes["rms_norm_eps"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
-    w.add_token_list([f"t{i}" for i in range(HF["vocab_size"])])
+    w.add_token_list([f"t{i}" for i in range(sizes["vocab_size"])])
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     top["lm_head.weight"] = "output.weight"
     tensors = {}
@@ -109,13 +137,14 @@ def write_gguf(path, weights: dict[str, torch.Tensor], skip: tuple[str, ...] = (
     return str(path)
 
 
-def hf_model(weights: dict[str, torch.Tensor], tied: bool, dtype: torch.dtype):
-    """transformers' Qwen2 holding `weights` (rounded to fp32 first: the GGUF's F32) in
-    `dtype`; fp64: its RoPE frequencies made in fp64 by its own function."""
+def hf_model(weights: dict[str, torch.Tensor], tied: bool, dtype: torch.dtype, family: str = "qwen2"):
+    """transformers' Qwen2 (Qwen3 of family "qwen3") holding `weights` (rounded to fp32
+    first: the GGUF's F32) in `dtype`; fp64: its RoPE frequencies made in fp64 by its own function."""
+    sizes, modeling, config_class, model_class = FAMILIES[family]
     with pytest.MonkeyPatch.context() as patch:
         if dtype == torch.float64:
-            patch.setattr(modeling_qwen2, "torch", _Fp64Torch())
-        model = modeling_qwen2.Qwen2ForCausalLM(transformers.Qwen2Config(**HF, tie_word_embeddings=tied))
+            patch.setattr(modeling, "torch", _Fp64Torch())
+        model = model_class(config_class(**sizes, tie_word_embeddings=tied))
     model = model.to(dtype).eval()
     if dtype == torch.float64:
         assert model.model.rotary_emb.inv_freq.dtype == torch.float64
@@ -126,10 +155,12 @@ def hf_model(weights: dict[str, torch.Tensor], tied: bool, dtype: torch.dtype):
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """`model`'s logits of `ids`; fp64: its RoPE angles in fp64, its norms (a Qwen3's q / k
+    norms too: the same class) without their fp32 casts."""
     with pytest.MonkeyPatch.context() as patch, torch.no_grad():
         if next(model.parameters()).dtype == torch.float64:
-            patch.setattr(modeling_qwen2.Qwen2RotaryEmbedding, "forward", _rotary_fp64)
-            patch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", _norm_in_input_dtype)
+            patch.setattr(type(model.model.rotary_emb), "forward", _rotary_fp64)
+            patch.setattr(type(model.model.norm), "forward", _norm_in_input_dtype)
         return model(torch.tensor([ids])).logits[0].double()
 
 
@@ -205,7 +236,7 @@ def test_what_a_qwen2_gguf_lacks_or_adds_is_refused_naming_the_tensor(tmp_path):
     # a "llama" GGUF's Q bias: refused (it failed as a shape mismatch of its weight's dims)
     llama_bias = write_gguf_llama_with_bias(tmp_path / "llama_bias.gguf")
     # (review 13 #11: it read "(Q / K / V biases only)", of a Q bias)
-    qwen2_only = "does not add (none on a llama GGUF's attention; Q / K / V of qwen2 GGUFs)"
+    qwen2_only = "does not add (none on a llama or qwen3 GGUF's attention; Q / K / V of qwen2 GGUFs)"
     with pytest.raises(
         ValueError, match=re.escape(f"tensor 'blk.0.attn_q.bias' is a bias kvpool's model {qwen2_only}")
     ):

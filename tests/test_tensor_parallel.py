@@ -119,10 +119,10 @@ def test_generate_tp_3_says_its_note_once() -> None:
     assert len(proc.stdout.strip().splitlines()) == 1, proc.stdout
 
 
-# One rank of a Qwen2 GGUF (Q / K / V biases) sharded over a gloo group of 2: its logits of the
-# same tokens, fp64 on the plain path and fp32 on the C kernels' fused path; rank 0 prints
-# them beside the whole model's in one process.
-_QWEN2_RANK = """
+# One rank of a Qwen2 GGUF (Q / K / V biases) or a Qwen3 GGUF (q / k norms, head dim 24) sharded
+# over a gloo group of 2: its logits of the same tokens, fp64 on the plain path and fp32 on the C
+# kernels' fused path; rank 0 prints them beside the whole model's in one process.
+_QWEN_RANK = """
 import datetime, json, sys
 import torch
 import torch.distributed as dist
@@ -133,7 +133,7 @@ from kvpool.models.llama import LlamaModel
 from kvpool.models.tensor_parallel import shard_llama
 
 torch.set_num_threads(1)
-path, ids = sys.argv[1], list(range(0, 300, 7))
+path, family, ids = sys.argv[1], sys.argv[2], list(range(0, 300, 7))
 f = load_gguf(path)
 whole32 = LlamaModel.from_tensors(f.meta.config, f.tensors(torch.float32), kernels=cpu_kernels())
 whole64 = whole32.astype(torch.float64)
@@ -142,7 +142,11 @@ rank = dist.get_rank()
 out = {}
 for name, whole in (("fp64", whole64), ("fp32", whole32)):
     shard = shard_llama(whole, rank, 2)
-    assert shard.config.num_heads == 2 and shard.layers[0]["bqkv"].shape == (64,)
+    assert shard.config.num_heads == 2
+    if family == "qwen2":  # the heads' bias columns
+        assert shard.layers[0]["bqkv"].shape == (64,)
+    else:  # the norms whole on each rank
+        assert shard.config.head_dim == 24 and torch.equal(shard.layers[1]["k_norm"], whole.layers[1]["k_norm"])
     assert (shard.kernels is not None) == (name == "fp32")
     got = reference_logits(shard, ids).double()
     if rank == 0:
@@ -154,9 +158,11 @@ if rank == 0:
 """
 
 
-def test_tp_2_shards_qwen2_q_k_v_biases_with_their_heads(tmp_path) -> None:
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_tp_2_shards_qwen2_biases_and_keeps_qwen3_norms_whole(tmp_path, family) -> None:
     """Was refused ("a model with Q / K / V biases (Qwen2) runs on one rank only"): each
-    rank now takes its heads' bias columns. fp64: the two ranks' sum equals the whole model
+    rank now takes its heads' bias columns; a Qwen3's q / k norms (one weight for every
+    head) are whole on each rank. fp64: the two ranks' sum equals the whole model
     to rounding (1e-12 of the largest logit); fp32 with the C kernels: within 8 times the
     whole fp32 model's own error against fp64, as verify tp bounds it."""
     import torch
@@ -164,14 +170,14 @@ def test_tp_2_shards_qwen2_q_k_v_biases_with_their_heads(tmp_path) -> None:
     sys.path.insert(0, TESTS)
     from test_qwen2 import hf_weights, write_gguf
 
-    path = write_gguf(tmp_path / "qwen2.gguf", hf_weights(False))
+    path = write_gguf(tmp_path / f"{family}.gguf", hf_weights(False, family=family), family=family)
     check_tp(load_config(path), 2)
     port = str(_free_port())
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-c", _QWEN2_RANK, path]
+        cmd = [sys.executable, "-c", _QWEN_RANK, path, family]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     try:

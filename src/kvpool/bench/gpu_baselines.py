@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 
 def transformers_llama(config: LlamaConfig, seed: int, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
-    """transformers' LlamaForCausalLM (Qwen2ForCausalLM for a config with Q / K / V biases) of
+    """transformers' LlamaForCausalLM (Qwen2ForCausalLM for a config with Q / K / V biases,
+    Qwen3ForCausalLM for one with q / k norms) of
     `config` holding `random_tensors(config, seed)`: the weights `random_llama(config, seed)`
     holds, in transformers' names, and the engine's RoPE: rotate-half with rope_theta, its
     frequencies divided by the config's rope_freq_divisors (a Llama 3.1 config's llama3
@@ -41,6 +42,8 @@ def transformers_llama(config: LlamaConfig, seed: int, dtype: torch.dtype, devic
     config_class, model_class = (
         (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
         if c.qkv_bias
+        else (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)
+        if c.qk_norm
         else (transformers.LlamaConfig, transformers.LlamaForCausalLM)
     )
     hf_config = config_class(
@@ -128,6 +131,11 @@ class ContiguousLlama:
         self.embed, self.norm, self.lm_head = p.embed_tokens.weight, p.norm.weight, model.lm_head.weight
         # a Qwen2's Q / K / V biases (None on a Llama: nothing added)
         self.biases = [tuple(getattr(layer.self_attn, f"{x}_proj").bias for x in "qkv") for layer in p.layers]
+        # a Qwen3's q / k norm weights [D] (None elsewhere: nothing normed)
+        self.qk_norms = [
+            (a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else None
+            for a in (layer.self_attn for layer in p.layers)
+        ]
         self.layers = [
             {
                 "q": layer.self_attn.q_proj.weight,
@@ -168,8 +176,11 @@ class ContiguousLlama:
             q, k, v = (hs @ w[x].t() for x in "qkv")
             if self.biases[i][0] is not None:
                 q, k, v = (y + bias for y, bias in zip((q, k, v), self.biases[i], strict=True))
-            q = self._rope(q.view(b, t, h, d).transpose(1, 2), cos, sin)
-            k = self._rope(k.view(b, t, kvh, d).transpose(1, 2), cos, sin)
+            q, k = q.view(b, t, h, d), k.view(b, t, kvh, d)
+            if self.qk_norms[i] is not None:
+                q, k = (_rms_norm(y, weight, self.eps) for y, weight in zip((q, k), self.qk_norms[i], strict=True))
+            q = self._rope(q.transpose(1, 2), cos, sin)
+            k = self._rope(k.transpose(1, 2), cos, sin)
             v = v.view(b, t, kvh, d).transpose(1, 2)
             attn = attend(i, q, k, v)  # [B, H, T, D]
             x = x + attn.transpose(1, 2).reshape(b, t, h * d) @ w["o"].t()

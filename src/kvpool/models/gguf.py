@@ -1,4 +1,4 @@
-"""Read a Llama- or Qwen2-architecture GGUF file into fp32 (or bf16) torch tensors.
+"""Read a Llama-, Qwen2- or Qwen3-architecture GGUF file into fp32 (or bf16) torch tensors.
 
 Everything that shapes the model (layers, heads, KV heads, RoPE base, eps, vocabulary) comes
 from the GGUF metadata, never from constants. llama.cpp's converter stores the Q and K
@@ -8,8 +8,9 @@ projection rows permuted for interleaved (GPT-J style) RoPE:
 
 We undo that permutation here, so the model can use the rotate-half RoPE of the Hugging
 Face implementation and its weights line up with transformers' row for row. A "qwen2" GGUF
-(Llama with Q / K / V biases) holds its rows as they are: llama.cpp runs rotate-half RoPE on
-them.
+(Llama with Q / K / V biases) and a "qwen3" GGUF (no biases; an RMSNorm over each query and
+key head, attn_q_norm / attn_k_norm, and its head dim in attention.key_length) hold their rows
+as they are: llama.cpp runs rotate-half RoPE on them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
 SUPPORTED_QUANT_TYPES = frozenset(
     {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
 )
-SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2"})  # qwen2: Llama with Q / K / V biases
+# qwen2: Llama with Q / K / V biases; qwen3: Llama with q / k norms
+SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MAGIC = b"GGUF"
 # What gguf's reader and numpy raise on a corrupt or truncated file (an unknown value type,
@@ -161,8 +163,9 @@ class GGUFFile:
     @property
     def permuted_qk(self) -> bool:
         """Whether the Q / K rows are in llama.cpp's interleaved order: a "llama" GGUF's are;
-        a "qwen2" GGUF's (the architecture read_config gives qkv_bias) are as they are."""
-        return not self.meta.config.qkv_bias
+        a "qwen2" GGUF's and a "qwen3" GGUF's (the architectures read_config gives qkv_bias,
+        qk_norm) are as they are."""
+        return not (self.meta.config.qkv_bias or self.meta.config.qk_norm)
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF-style name, tensor) of every tensor the model uses, in file order, each made
@@ -277,6 +280,12 @@ def read_config(reader: Any, rope_freqs: RopeFreqs | None) -> LlamaConfig:
     head_dim = _positive_int(reader, f"{arch}.attention.key_length", hidden // num_heads)
     if head_dim % 2:
         raise ValueError(f"GGUF metadata head dim {head_dim} must be even (rotate-half RoPE)")
+    value_dim = _field(reader, f"{arch}.attention.value_length", head_dim)
+    if value_dim != head_dim:  # (V heads of another size: every shape check named a weight instead)
+        raise ValueError(
+            f"GGUF metadata {arch}.attention.value_length {value_dim!r} is not the head dim {head_dim}; kvpool's "
+            "K and V heads have one size"
+        )
     names = {t.name for t in reader.tensors}
     rotated = _field(reader, f"{arch}.rope.dimension_count", head_dim)
     if rotated != head_dim:  # (partial RoPE: every dim was rotated without a word)
@@ -306,6 +315,8 @@ def read_config(reader: Any, rope_freqs: RopeFreqs | None) -> LlamaConfig:
         rope_freq_divisors=rope_divisors(reader, arch, head_dim, rope_freqs),
         # Qwen2's are required (llama.cpp's too); a "llama" GGUF's are refused (expected_shape)
         qkv_bias=arch == "qwen2",
+        # Qwen3's attn_q_norm / attn_k_norm are required; another architecture's are refused (expected_shape)
+        qk_norm=arch == "qwen3",
     )
 
 
@@ -365,7 +376,7 @@ def expected_shape(gguf_name: str, config: LlamaConfig) -> tuple[int, ...] | Non
     if gguf_name in top:
         return top[gguf_name]
     parts = gguf_name.split(".")
-    if parts[0] != "blk" or len(parts) < 3 or parts[2] not in _RENAME:
+    if parts[0] != "blk" or len(parts) < 3 or parts[2] not in _RENAME | _QK_NORM_RENAME:
         return None
     if not parts[1].isdigit() or int(parts[1]) >= c.num_layers:
         raise ValueError(f"tensor {gguf_name!r} names a block outside the model's {c.num_layers} blocks")
@@ -373,10 +384,19 @@ def expected_shape(gguf_name: str, config: LlamaConfig) -> tuple[int, ...] | Non
         biases = {"attn_q": (q,), "attn_k": (kv,), "attn_v": (kv,)} if c.qkv_bias else {}
         if parts[2] not in biases:
             only = (
-                "Q / K / V biases only" if c.qkv_bias else "none on a llama GGUF's attention; Q / K / V of qwen2 GGUFs"
+                "Q / K / V biases only"
+                if c.qkv_bias
+                else "none on a llama or qwen3 GGUF's attention; Q / K / V of qwen2 GGUFs"
             )
             raise ValueError(f"tensor {gguf_name!r} is a bias kvpool's model does not add ({only})")
         return biases[parts[2]]
+    if parts[2] in _QK_NORM_RENAME:
+        if not c.qk_norm:  # (left out, the model ran without it)
+            raise ValueError(
+                f"tensor {gguf_name!r} is a per-head q / k norm kvpool's model of this architecture does not apply "
+                "(qwen3 GGUFs' only)"
+            )
+        return (c.head_dim,)
     dims = {
         "attn_q": (c.hidden_size, q),
         "attn_k": (c.hidden_size, kv),
@@ -471,10 +491,11 @@ def check_tensor_types(types: dict[str, str], config: LlamaConfig) -> None:
     # only found once the weights were read, in a message without the file). Walked lazily and
     # counted, not listed: a block_count of 2^31 made a list of 2^31 x 9 names, all memory.
     layers, biases = config.num_layers, ("attn_q", "attn_k", "attn_v") if config.qkv_bias else ()
+    weights = _layer_names(config)
 
     def wanted():
         yield from ("token_embd.weight", "output_norm.weight")
-        yield from (f"blk.{i}.{part}.weight" for i in range(layers) for part in _RENAME)
+        yield from (f"blk.{i}.{part}.weight" for i in range(layers) for part in weights)
         yield from (f"blk.{i}.{part}.bias" for i in range(layers) for part in biases)
 
     def is_wanted(name: str) -> bool:
@@ -491,11 +512,11 @@ def check_tensor_types(types: dict[str, str], config: LlamaConfig) -> None:
             or int(index) >= layers
         ):
             return False
-        return part in _RENAME if kind == "weight" else kind == "bias" and part in biases
+        return part in weights if kind == "weight" else kind == "bias" and part in biases
 
     missing = list(itertools.islice((n for n in wanted() if n not in types), 6))
     if missing:
-        more = 2 + layers * (len(_RENAME) + len(biases)) - sum(map(is_wanted, types)) - len(missing)
+        more = 2 + layers * (len(weights) + len(biases)) - sum(map(is_wanted, types)) - len(missing)
         raise ValueError(f"lacks tensors {missing}" + (f" and {more} more" if more else ""))
 
 
@@ -645,6 +666,14 @@ _RENAME = {
     "attn_norm": "attn_norm",
     "ffn_norm": "ffn_norm",
 }
+_QK_NORM_RENAME = {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}  # a qwen3 GGUF's too
+
+
+def _layer_names(config: LlamaConfig) -> dict[str, str]:
+    """A block's weights the model uses: GGUF name -> HF-style short name."""
+    return _RENAME | _QK_NORM_RENAME if config.qk_norm else _RENAME
+
+
 _TOP_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
 
 
@@ -654,7 +683,7 @@ def _model_name(gguf_name: str, config: LlamaConfig) -> str | None:
     that ties it)."""
     parts = gguf_name.split(".")
     if parts[0] == "blk":
-        kind = _RENAME.get(parts[2]) if len(parts) > 2 else None
+        kind = _layer_names(config).get(parts[2]) if len(parts) > 2 else None
         bias = "_bias" if parts[3:] == ["bias"] else ""  # (Q / K / V only: expected_shape refused the rest)
         return None if kind is None else f"layers.{parts[1]}.{kind}{bias}"
     name = _TOP_NAMES.get(gguf_name)

@@ -22,13 +22,15 @@ from typing import Any
 import torch
 
 from kvpool.models.gguf import LlamaConfig
-from kvpool.models.llama import LlamaModel, layer_parts
+from kvpool.models.llama import QK_NORM_PARTS, LlamaModel, layer_parts
 from kvpool.models.rope import llama3_divisors
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")  # model_type values whose math models/llama.py computes
-# transformers' defaults that differ by model_type (Qwen2Config's context: 32,768; MistralConfig's
-# 4096 x 32 = 131,072; LlamaConfig's 2,048 for the rest)
-MAX_POSITION_DEFAULTS = {"qwen2": 32768, "mistral": 131072}
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # model_type values whose math models/llama.py computes
+# transformers' defaults that differ by model_type (Qwen2Config's and Qwen3Config's context: 32,768;
+# MistralConfig's 4096 x 32 = 131,072; LlamaConfig's 2,048 for the rest)
+MAX_POSITION_DEFAULTS = {"qwen2": 32768, "qwen3": 32768, "mistral": 131072}
+# Qwen3Config's head_dim where config.json has none: 128, not hidden / heads (transformers' Qwen3Attention reads it)
+HEAD_DIM_DEFAULTS = {"qwen3": 128}
 # the sliding_window that transformers' Qwen2Config and MistralConfig fill in where config.json has no key
 # (Qwen2 uses it only with use_sliding_window true; Mistral always: a window of 4096 positions)
 SLIDING_WINDOW_DEFAULT = 4096
@@ -67,8 +69,9 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
     if model_type not in ARCHITECTURES:
         raise ValueError(f"{where}: model_type {model_type!r} is not a Llama-family model ({', '.join(ARCHITECTURES)})")
     qwen2 = model_type == "qwen2"  # Q / K / V biases always (transformers' Qwen2Attention), none on O or the MLP
+    qwen3 = model_type == "qwen3"  # no biases; an RMSNorm over each query and key head (q_norm, k_norm)
     checked = [("hidden_act", ("silu",)), ("mlp_bias", (False,))]
-    if not qwen2:  # (Llama's attention_bias adds an O bias too)
+    if not qwen2:  # (Llama's and Qwen3's attention_bias adds an O bias too)
         checked.append(("attention_bias", (False,)))
     for key, allowed in checked:
         if key in raw and raw[key] not in allowed:
@@ -79,7 +82,7 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
             f"{SLIDING_WINDOW_DEFAULT} positions, which is not modelled (full attention only; "
             '"sliding_window": null attends in full)'
         )
-    if not qwen2 and raw.get("sliding_window") is not None:
+    if not (qwen2 or qwen3) and raw.get("sliding_window") is not None:
         raise ValueError(f"{where}: sliding_window {raw['sliding_window']!r} is not modelled (full attention only)")
 
     def positive(key: str, default: int | None = None) -> int:
@@ -91,7 +94,7 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
         return value
 
     num_layers = positive("num_hidden_layers")
-    if qwen2:
+    if qwen2 or qwen3:  # (Qwen3Config decides its layers' windows as Qwen2Config does)
         _check_qwen2_full_attention(raw, where, num_layers)
     hidden = positive("hidden_size")
     num_heads = positive("num_attention_heads")
@@ -101,7 +104,10 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
             f"{where}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
         )
     head_dim = raw.get("head_dim")
-    head_dim = positive("head_dim") if head_dim is not None else hidden // num_heads
+    if model_type in HEAD_DIM_DEFAULTS:  # (null too is refused: transformers' attention cannot size its heads)
+        head_dim = positive("head_dim", HEAD_DIM_DEFAULTS[model_type])
+    else:
+        head_dim = positive("head_dim") if head_dim is not None else hidden // num_heads
     if head_dim == 0:  # (a head dim of 0 was a ZeroDivisionError traceback at its scale)
         raise ValueError(
             f"{where}: hidden_size {hidden} is smaller than num_attention_heads {num_heads}, and no head_dim is given"
@@ -137,15 +143,17 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
         tie_embeddings=tie,
         rope_freq_divisors=divisors,
         qkv_bias=qwen2,
+        qk_norm=qwen3,
     )
 
 
 def _check_qwen2_full_attention(raw: dict[str, Any], where: str, num_layers: int) -> None:
-    """ValueError unless every layer of a Qwen2 config.json attends in full, as transformers'
-    Qwen2Config decides: the window is `sliding_window` (4096 when the key is missing) where
-    `use_sliding_window` is true, else none (Qwen2.5's config.json names a sliding_window with
-    use_sliding_window false: full attention); `layer_types` when given (one per layer, as
-    transformers checks), else a window on the layers from `max_window_layers` on."""
+    """ValueError unless every layer of a Qwen2 (or Qwen3) config.json attends in full, as
+    transformers' Qwen2Config (Qwen3Config alike) decides: the window is `sliding_window`
+    (4096 when the key is missing) where `use_sliding_window` is true, else none (Qwen2.5's
+    config.json names a sliding_window with use_sliding_window false: full attention);
+    `layer_types` when given (one per layer, as transformers checks), else a window on the
+    layers from `max_window_layers` on."""
     use = raw.get("use_sliding_window", False)
     if not isinstance(use, bool):  # bool("false") is True
         raise ValueError(f"{where}: use_sliding_window must be true or false, got {use!r}")
@@ -246,12 +254,12 @@ def model_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
     for the device before the first tensor is drawn (a config.json of 100 B parameters was a
     traceback from the allocator, or the process killed as pages were touched). It counts
     exactly three terms: every weight `random_tensors` yields, in `dtype` (the embedding,
-    the untied LM head, the norms, each layer's q, k, v, o, gate, up, down and two norms:
-    the same elements LlamaModel keeps fused); the largest of them (the embedding, a gate /
-    up / down or a q matrix) once more in fp32, its draw before the cast (an fp32 model
-    casts nothing: a margin then); and max_position x head_dim x 24 bytes of RoPE tables
-    (two fp64 tables, the angles and sines being built, and the fp32 cos and sin kept; 32
-    for an fp64 model, whose kept tables are fp64).
+    the untied LM head, the norms, each layer's q, k, v, o, gate, up, down and two norms (a
+    Qwen2's biases and a Qwen3's q / k norms too): the same elements LlamaModel keeps fused);
+    the largest of them (the embedding, a gate / up / down or a q matrix) once more in fp32,
+    its draw before the cast (an fp32 model casts nothing: a margin then); and max_position
+    x head_dim x 24 bytes of RoPE tables (two fp64 tables, the angles and sines being built,
+    and the fp32 cos and sin kept; 32 for an fp64 model, whose kept tables are fp64).
     Not counted: a layer's parts and their fused copies while `fuse_layer` concatenates and
     transposes them (about two fused layers at the peak), the fp64 [max_position, head_dim
     / 2] frequencies, and the allocator's and Python's own overhead."""
@@ -262,6 +270,8 @@ def model_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
     elements = embed * (1 if c.tie_embeddings else 2) + c.hidden_size * (1 + 2 * c.num_layers)
     if c.qkv_bias:
         elements += c.num_layers * (q + 2 * kv)
+    if c.qk_norm:
+        elements += c.num_layers * 2 * c.head_dim
     elements += c.num_layers * sum(layer)
     largest = max(embed, c.intermediate_size * c.hidden_size, q * c.hidden_size)
     table_bytes = 8 if dtype == torch.float64 else 4  # (an fp64 model keeps fp64 tables: models/llama.py)
@@ -305,6 +315,9 @@ def random_tensors(
         if c.qkv_bias:  # (drawn last: a model without biases draws what it always drew)
             for part in ("q", "k", "v"):
                 yield f"layers.{i}.{part}_bias", draw(shapes[part][0], std=1.0)
+        if c.qk_norm:  # (as the other norms' weights)
+            for part in QK_NORM_PARTS:
+                yield f"layers.{i}.{part}", draw(c.head_dim, std=0.1, mean=1.0)
 
 
 def random_llama(
@@ -325,6 +338,8 @@ _HF_PARTS = {
     "down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm",
 }
 
 
@@ -488,6 +503,8 @@ def _shape(name: str, config: LlamaConfig) -> tuple[int, ...] | None:
     }
     if c.qkv_bias:
         parts.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
+    if c.qk_norm:
+        parts.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
     return parts.get(part)
 
 
