@@ -428,7 +428,7 @@ def add_engine_model_option(
         default=DEFAULT_MODEL,
         type=model,
         note=f"{DEFAULT_MODEL} (the embedded SmolLM2-135M-Instruct), a Llama-architecture GGUF file, or an HF "
-        "model directory of a Llama / Mistral / Qwen2 (config.json, safetensors, tokenizer.json)" + note,
+        "model directory of a Llama / Mistral / Qwen2 / Qwen3 (config.json, safetensors, tokenizer.json)" + note,
     )
 
 
@@ -538,16 +538,16 @@ def options_table() -> str:
     lines += [
         "",
         "Sizes (`--kv-memory`, `serve --max-request-bytes`) take " + SIZE_EXAMPLES.replace("(", "(").strip() + ".",
-        f"Model names: the engine's commands take `{DEFAULT_MODEL}` or a Llama- or Qwen2-architecture GGUF file whose "
-        "tokenizer is byte-level BPE split one of the ways kvpool builds (`tokenizer.ggml.pre` "
+        f"Model names: the engine's commands take `{DEFAULT_MODEL}` or a Llama-, Qwen2- or Qwen3-architecture "
+        "GGUF file whose tokenizer is byte-level BPE split one of the ways kvpool builds (`tokenizer.ggml.pre` "
         + ", ".join(f"`{pre}`" for pre in sorted(SUPPORTED_PRES))
         + "; another, such as DeepSeek's `deepseek-llm`, is refused in one line), its RoPE plain, linear-scaled "
         "or Llama 3.1's (`rope_freqs.weight`: Llama 3.1 / 3.2 run; YaRN and LongRoPE are refused), or a Hugging "
-        "Face directory of a Llama / Mistral / Qwen2 (config.json, safetensors, tokenizer.json of byte-level BPE, "
-        "not SentencePiece: text in and out, its chat template, the tiers); `run` also takes "
+        "Face directory of a Llama / Mistral / Qwen2 / Qwen3 (config.json, safetensors, tokenizer.json of "
+        "byte-level BPE, not SentencePiece: text in and out, its chat template, the tiers); `run` also takes "
         + ", ".join(f"`{m}`" for m in ENGINE_MODELS[1:])
-        + ", a Llama / Mistral / Qwen2 config.json (seeded random weights) or its Hugging Face directory without a "
-        "tokenizer.json (its weights; token ids in and out), `generate` and `eval kv-quant` take "
+        + ", a Llama / Mistral / Qwen2 / Qwen3 config.json (seeded random weights) or its Hugging Face directory "
+        "without a tokenizer.json (its weights; token ids in and out), `generate` and `eval kv-quant` take "
         "`tiny-dsv4`; `plan` and `simulate` take a preset name in any case "
         "(`kvpool plan -h` lists them) or a config.json. GPU presets are case-insensitive (`h200` = `H200`).",
         "",

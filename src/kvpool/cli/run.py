@@ -170,7 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         note="; or the built-in tiny-dsv4 (the tiny DeepSeek-V4 model on its dual pool, token ids), tiny-gemma2 "
         "(window + full attention) or tiny-recurrent (recurrent + full layers); or an HF config.json of a "
-        "Llama-family model (Llama, Mistral, Qwen2: seeded random weights, token ids: real shapes without the "
+        "Llama-family model (Llama, Mistral, Qwen2, Qwen3: seeded random weights, token ids: real shapes without the "
         "weights), or its directory with its safetensors (its weights; without a tokenizer.json, token ids)",
     )
     add_threads_option(parser, probed=True)
