@@ -16,6 +16,20 @@ from kvpool.models.gguf import load_gguf
 TOKENS = [f"t{i}" for i in range(32)]
 
 
+def add_architecture(
+    w, layers: int, ctx: int, hidden: int, ff: int, heads: int, kvh: int, theta: float, eps: float
+) -> None:
+    """The architecture's metadata of a Llama-family GGUF (keys under GGUFWriter `w`'s arch)."""
+    w.add_block_count(layers)
+    w.add_context_length(ctx)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kvh)
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(eps)
+
+
 def write_gguf(path, **over) -> str:
     """A 2-layer Llama GGUF (hidden 16, 4 heads, 2 KV heads, vocab 32); `over` replaces
     metadata (heads, kvh, hidden, key_length, ctx, theta, eps, vocab; template, merges,
@@ -27,14 +41,7 @@ def write_gguf(path, **over) -> str:
     head_dim = o.get("key_length") or 4
     tokens = o.get("tokens", TOKENS)
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(o["layers"])
-    w.add_context_length(o["ctx"])
-    w.add_embedding_length(o["hidden"])
-    w.add_feed_forward_length(o["ff"])
-    w.add_head_count(o["heads"])
-    w.add_head_count_kv(o["kvh"])
-    w.add_rope_freq_base(o["theta"])
-    w.add_layer_norm_rms_eps(o["eps"])
+    add_architecture(w, o["layers"], o["ctx"], o["hidden"], o["ff"], o["heads"], o["kvh"], o["theta"], o["eps"])
     if "key_length" in o:
         w.add_key_length(o["key_length"])
     if "vocab" in o:

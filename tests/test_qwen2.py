@@ -21,6 +21,7 @@ from kvpool.engine.build import build_engine, load_model
 from kvpool.models.gguf import load_gguf
 from kvpool.models.llama import LlamaModel
 from random_llama import TINY_HF_LLAMA
+from test_gguf_metadata import add_architecture
 from test_rope_scaling import _engine_rows, _Fp64Torch, _norm_in_input_dtype, _rotary_fp64
 
 transformers = pytest.importorskip("transformers")
@@ -106,14 +107,9 @@ def write_gguf(
     if "head_dim" in sizes:
         w.add_key_length(sizes["head_dim"])
         w.add_value_length(sizes["head_dim"])
-    w.add_block_count(sizes["num_hidden_layers"])
-    w.add_context_length(sizes["max_position_embeddings"])
-    w.add_embedding_length(sizes["hidden_size"])
-    w.add_feed_forward_length(sizes["intermediate_size"])
-    w.add_head_count(sizes["num_attention_heads"])
-    w.add_head_count_kv(sizes["num_key_value_heads"])
-    w.add_rope_freq_base(sizes["rope_theta"])
-    w.add_layer_norm_rms_eps(sizes["rms_norm_eps"])
+    keys = ("num_hidden_layers", "max_position_embeddings", "hidden_size", "intermediate_size")
+    keys += ("num_attention_heads", "num_key_value_heads", "rope_theta", "rms_norm_eps")
+    add_architecture(w, *(sizes[k] for k in keys))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list([f"t{i}" for i in range(sizes["vocab_size"])])
