@@ -54,3 +54,115 @@ def save_tokenizer(directory: str | Path, vocab_size: int = 290, bos: bool = Fal
     )
     hf.save_pretrained(directory)
     return hf
+
+
+# Llama 2's chat template, shortened: the system prompt folded into the first user turn, [INST] turns, EOS after answers
+LLAMA2_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set system = '<<SYS>>\\n' + messages[0]['content'] + '\\n<</SYS>>\\n\\n' %}"
+    "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{{ bos_token + '[INST] ' + (system if loop.first else '') + m['content'].strip() + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m['content'].strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+SPM_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Hello world, hello again!",
+    "Café crème brûlée, naïve façade; ¿qué tal? Über die Straße.",
+    "你好，世界！日本語のテキストも少し。",
+    "Emoji 🙂 🚀 and digits 0123456789, 3.14159 and 2024-12-07.",
+] * 10
+
+
+# characters left out of the SentencePiece-style vocabulary: written as byte-fallback tokens
+SPM_FALLBACK = "你世界少語🙂🚀ßÜ"
+
+
+def _spm_merges(corpus: list[str], alphabet: set[str], num: int) -> list[tuple[str, str]]:
+    """BPE merges learnt from `corpus` as SentencePiece's BPE learns them (words split before
+    each "▁", the most frequent pair merged first; ties by the pair's text, so the same
+    merges every run: the tokenizers trainer breaks ties differently from run to run)."""
+    from collections import Counter
+
+    words: Counter[tuple[str, ...]] = Counter()
+    for line in corpus:
+        for word in ("\u2581" + line.replace(" ", "\u2581")).split("\u2581")[1:]:
+            words[tuple("\u2581" + word)] += 1
+    merges = []
+    for _ in range(num):
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, count in words.items():
+            for pair in zip(word, word[1:], strict=False):
+                if pair[0] in alphabet or len(pair[0]) > 1:
+                    if pair[1] in alphabet or len(pair[1]) > 1:
+                        pairs[pair] += count
+        if not pairs:
+            break
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(best)
+        merged: Counter[tuple[str, ...]] = Counter()
+        for word, count in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if word[i : i + 2] == best:
+                    out.append(best[0] + best[1])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] += count
+        words = merged
+    return merges
+
+
+def spm_tokenizer(num_merges: int = 150) -> Tokenizer:
+    """A Llama-2-style tokenizer.json: <unk> <s> </s>, the 256 byte-fallback tokens <0x00>..<0xFF>,
+    the characters of SPM_CORPUS but SPM_FALLBACK's (byte fallback writes those), then
+    `num_merges` BPE merges learnt on SPM_CORPUS; Llama 2's normalizer (prepend "▁", spaces
+    to "▁"), decoder (Replace "▁", ByteFallback, Fuse, Strip) and post-processor (<s> first)."""
+    from tokenizers import AddedToken, normalizers
+
+    meta = "\u2581"
+    alphabet = {c for line in SPM_CORPUS for c in line.replace(" ", meta)} - set(SPM_FALLBACK) | {meta}
+    merges = _spm_merges(SPM_CORPUS, alphabet, num_merges)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    for piece in [*sorted(alphabet), *(a + b for a, b in merges)]:
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(meta), normalizers.Replace(" ", meta)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(meta, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1", special_tokens=[("<s>", 1)]
+    )
+    return tok
+
+
+def save_spm_tokenizer(directory: str | Path, model_type: str = "llama", **config) -> Tokenizer:
+    """spm_tokenizer's tokenizer.json and a Llama 2 tokenizer_config.json (LlamaTokenizer,
+    add_bos_token, legacy false, the chat template; `config` changes or, None, drops keys) and,
+    where none is there, a config.json of `model_type` (what AutoTokenizer picks its class by)."""
+    import json
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tok = spm_tokenizer()
+    tok.save(str(d / "tokenizer.json"))
+    settings = {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": None,
+        "legacy": False,
+        "clean_up_tokenization_spaces": False,
+        "tokenizer_class": "LlamaTokenizer",
+        "chat_template": LLAMA2_TEMPLATE,
+        **config,
+    }
+    (d / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in settings.items() if v is not None}))
+    if not (d / "config.json").exists():
+        (d / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return tok

@@ -184,17 +184,17 @@ def _sentencepiece_tokenizer(directory: Path) -> None:
     assert tok.decode(ids) == "Hello world" and "".join(tok.decode([i]) for i in ids) == "Helloworld"
 
 
-def test_a_sentencepiece_tokenizer_json_is_refused_naming_its_decoder(tmp_path, capsys):
+def test_a_sentencepiece_tokenizer_json_streams_the_spaces_its_tokens_alone_lose(tmp_path):
+    """Its stream (server/text_stream.py) decodes new tokens after earlier ones: "Hello world",
+    not the "Helloworld" of its tokens decoded one by one (tests/test_hf_spm.py: the rest)."""
+    from kvpool.server.protocol import decoded_bytes
+    from kvpool.server.text_stream import TextStream
+
     _sentencepiece_tokenizer(tmp_path / "sp")
-    with pytest.raises(
-        ValueError,
-        match=r"sp/tokenizer\.json: its decoder is Sequence, not ByteLevel; kvpool takes only byte-level BPE",
-    ):
-        load_hf_tokenizer(tmp_path / "sp")
-    path = _qwen2_dir(tmp_path / "m")
-    _sentencepiece_tokenizer(path)
-    err = _file_error(tmp_path, capsys, ["generate", "hi", "--model", str(path), "--max-tokens", "2"])
-    assert "tokenizer.json: its decoder is Sequence, not ByteLevel" in err, err
+    tok = load_hf_tokenizer(tmp_path / "sp")
+    ids = [tok.tokenizer.token_to_id(p) for p in ("\u2581Hello", "\u2581world")]
+    stream = TextStream(tok.decode, decoded_bytes(tok.tokenizer))
+    assert [stream.advance([t], None) for t in ids] == ["Hello", " world"]
 
 
 def _qwen2_dir(path: Path, dtype: torch.dtype = torch.float64, seed: int = 7):

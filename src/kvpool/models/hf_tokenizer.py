@@ -1,13 +1,17 @@
 """The tokenizer of a Hugging Face model directory, as transformers' AutoTokenizer reads it.
 
 tokenizer.json (the `tokenizers` library's own format: vocabulary, merges, pre-tokenizer,
-post-processor, added tokens) encodes and decodes; tokenizer_config.json names the special
+post-processor, added tokens) encodes and decodes: byte-level BPE (Llama 3, Qwen2, SmolLM2) or
+SentencePiece-style BPE with byte fallback (Llama 2, Mistral 7B v0.1-v0.3, TinyLlama; for a
+"llama" model of tokenizer_class LlamaTokenizer with the pipeline transformers' LlamaTokenizer
+rebuilds from tokenizer_config.json's legacy / add_prefix_space); tokenizer_config.json names the special
 tokens (bos / eos / unk / pad: a string or {"content": ...}), whether decoding cleans up
 spaces before punctuation (not for a BPE model, as transformers 5), and the chat template
 (a string, or a list of named templates of which "default" is used); a chat_template.jinja
 file, which newer transformers writes instead, takes precedence. generation_config.json's
 eos_token_id (one id or a list) adds end-of-turn tokens. Raw text is encoded with tokenizer.json's post-processor, as
-`tokenizer(text)` does (add_special_tokens=True: a Llama's BOS); a rendered chat template
+`tokenizer(text)` does (add_special_tokens=True: a Llama's BOS; tokenizer_config.json's
+add_bos_token / add_eos_token change nothing, as in transformers 5); a rendered chat template
 without it, as `apply_chat_template` does (the template writes its own special tokens).
 """
 
@@ -95,10 +99,120 @@ def _eos_ids(directory: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _type(part: Any) -> str:
+    """A tokenizer.json component's type, a Sequence's with its members': "Sequence[Replace, Fuse]"."""
+    if not isinstance(part, dict):
+        return "none"
+    kind = str(part.get("type"))
+    members = next((part[k] for k in ("decoders", "normalizers", "pretokenizers") if k in part), None)
+    if kind == "Sequence" and isinstance(members, list):
+        return f"Sequence[{', '.join(_type(m) for m in members)}]"
+    return kind
+
+
+def _members(part: Any, key: str) -> list[Any]:
+    """A component as a list: none, itself, or a Sequence's members."""
+    if part is None:
+        return []
+    return part.get(key, []) if isinstance(part, dict) and part.get("type") == "Sequence" else [part]
+
+
+def _kind(path: Path, spec: dict[str, Any]) -> str:
+    """ "byte-level" or "sentencepiece": the two kinds of tokenizer.json whose text streams
+    (server/text_stream.py) and token bytes (server/protocol.py) kvpool reads. SentencePiece-style
+    is Llama 2's and Mistral 7B's: a BPE model with byte fallback, "▁" for a space (a Metaspace
+    pre-tokenizer, or a normalizer that prepends "▁" and replaces spaces by it) and the decoder
+    Replace "▁" by " ", ByteFallback, Fuse, Strip one leading space (or without the Strip).
+    ValueError in one line naming what is another kind."""
+    decoder = spec.get("decoder")
+    if isinstance(decoder, dict) and decoder.get("type") == "ByteLevel":
+        return "byte-level"
+    meta = {"String": "\u2581"}
+    parts = _members(decoder, "decoders")
+    spm = [
+        {"type": "Replace", "pattern": meta, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+        {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+    ]
+    if not (isinstance(decoder, dict) and decoder.get("type") == "Sequence" and parts in (spm, spm[:3])):
+        raise ValueError(
+            f"{path}: its decoder is {_type(decoder)}; kvpool takes byte-level BPE (a ByteLevel decoder: Llama 3, "
+            "Qwen2, SmolLM2) and SentencePiece-style BPE (Sequence[Replace, ByteFallback, Fuse, Strip]: Llama 2, "
+            "Mistral 7B, TinyLlama)"
+        )
+    model = spec.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("byte_fallback") is not True:
+        what = "a BPE model without byte_fallback" if _type(model) == "BPE" else f"a {_type(model)} model"
+        raise ValueError(f"{path}: a SentencePiece-style decoder with {what}; kvpool takes BPE with byte fallback")
+    norms = _members(spec.get("normalizer"), "normalizers")
+    space = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    if any(n not in ({"type": "Prepend", "prepend": "\u2581"}, space) for n in norms):
+        raise ValueError(
+            f"{path}: its normalizer is {_type(spec.get('normalizer'))}; a SentencePiece-style tokenizer.json's may "
+            "only prepend '\u2581' and replace spaces by it (Prepend, Replace)"
+        )
+    pres = _members(spec.get("pre_tokenizer"), "pretokenizers")
+    if any(not isinstance(q, dict) or (q.get("type"), q.get("replacement")) != ("Metaspace", "\u2581") for q in pres):
+        raise ValueError(
+            f"{path}: its pre-tokenizer is {_type(spec.get('pre_tokenizer'))}; a SentencePiece-style "
+            "tokenizer.json's may only be Metaspace ('\u2581')"
+        )
+    return "sentencepiece"
+
+
+def _llama_class(directory: Path, config: dict[str, Any]) -> bool:
+    """Whether transformers' AutoTokenizer reads the directory with its LlamaTokenizer class,
+    which rebuilds a SentencePiece-style tokenizer.json's pipeline from tokenizer_config.json
+    (legacy, add_prefix_space): a "llama" model whose tokenizer_class (tokenizer_config.json's,
+    else config.json's) is LlamaTokenizer or LlamaTokenizerFast. Any other (a "mistral" model,
+    no class, PreTrainedTokenizerFast) reads tokenizer.json as it is."""
+    model = _json_object(directory / "config.json")
+    declared = config.get("tokenizer_class") or model.get("tokenizer_class")
+    llama = isinstance(declared, str) and declared.removesuffix("Fast") == "LlamaTokenizer"
+    return llama and model.get("model_type") == "llama"
+
+
+def _flag(path: Path, config: dict[str, Any], key: str, default: bool) -> bool:
+    value = config.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{path}: {key} is {value!r}, not true or false")
+    return value
+
+
+def _as_llama_tokenizer(path: Path, config: dict[str, Any], spec: dict[str, Any], tokenizer: Tokenizer) -> Tokenizer:
+    """tokenizer.json's vocabulary, merges, added tokens and post-processor with the pipeline
+    transformers' LlamaTokenizer builds: no normalizer, a Metaspace pre-tokenizer that turns
+    spaces into "▁" and prepends one to the text's start ("first": legacy false, its default)
+    or to every piece between special tokens ("always": legacy true), none without
+    add_prefix_space (default true); the decoder strips the first space only with it."""
+    from tokenizers import decoders, models, pre_tokenizers
+
+    legacy = _flag(path, config, "legacy", False)
+    prefix = _flag(path, config, "add_prefix_space", True)
+    vocab, merges = spec["model"].get("vocab", {}), spec["model"].get("merges", [])
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
+    try:
+        rebuilt = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    except Exception as e:  # (a bare Exception: "Token `x` out of vocabulary")
+        raise ValueError(f"{path.parent / TOKENIZER_JSON}: its merges do not fit its vocabulary ({e})") from None
+    rebuilt.normalizer = None
+    scheme = ("always" if legacy else "first") if prefix else "never"
+    rebuilt.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    rebuilt.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    added = tokenizer.get_added_tokens_decoder()
+    rebuilt.add_tokens([added[i] for i in sorted(added)])  # (AddedTokens keep their special flag)
+    rebuilt.post_processor = tokenizer.post_processor
+    return rebuilt
+
+
 def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
     """The ChatTokenizer of an HF model directory. ValueError in one line naming the file for
-    a missing or malformed tokenizer.json, one whose decoder is not byte-level BPE (the text
-    streams decode token by token through GPT-2's byte alphabet), a malformed tokenizer_config.json /
+    a missing or malformed tokenizer.json, one of a kind whose text kvpool does not stream
+    (neither byte-level BPE nor SentencePiece-style BPE: _kind), a malformed tokenizer_config.json /
     generation_config.json / chat_template.jinja, or a special token the vocabulary lacks."""
     d = Path(directory)
     path = d / TOKENIZER_JSON
@@ -110,15 +224,11 @@ def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
     except Exception as e:  # (the library raises a bare Exception: "expected value at line 1 column 1")
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{path}: not a tokenizers tokenizer.json ({reason})") from None
-    decoder = json.loads(raw).get("decoder")
-    kind = decoder.get("type") if isinstance(decoder, dict) else None
-    if kind != "ByteLevel":  # (TextStream and decoded_bytes read each token as GPT-2 byte-level text)
-        raise ValueError(
-            f"{path}: its decoder is {kind or 'none'}, not ByteLevel; kvpool takes only byte-level BPE tokenizers "
-            "(Llama 3, Qwen2, Mistral Nemo), not SentencePiece-style ones (Llama 2, Mistral 7B v0.1-v0.3)"
-        )
     config_path = d / TOKENIZER_CONFIG
     config = _json_object(config_path)
+    spec = json.loads(raw)
+    if _kind(path, spec) == "sentencepiece" and _llama_class(d, config):
+        tokenizer = _as_llama_tokenizer(config_path, config, spec, tokenizer)
     names = {key: _token_text(config_path, key, config.get(key)) for key in _SPECIAL_NAMES}
     ids: dict[str, int | None] = {}
     for key, text in names.items():
@@ -136,7 +246,7 @@ def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
         template,
         ids["bos_token"],
         ids["eos_token"],
-        add_bos_token=False,  # (tokenizer.json's post-processor adds a BOS where the model takes one)
+        add_bos_token=False,  # (the post-processor adds a BOS where the model takes one)
         version=version,
         template_source=template_source,
         template_absent=template_absent,

@@ -60,6 +60,7 @@ from kvpool.server import protocol
 from kvpool.server.engine_thread import Delta, EngineThread, Event, Failed, Finished
 from kvpool.server.metrics import ServerMetrics
 from kvpool.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenBound, TokenText
+from kvpool.server.protocol import token_text as protocol_token_text
 
 TENANT_HEADER = "x-tenant-id"
 # The longest prompt a 128k-token context holds is about 0.5 MB of text (1.5 MB as JSON
@@ -104,7 +105,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     """The app over a started EngineThread; `lifespan` (FastAPI's) runs at start and stop."""
     app = FastAPI(title="kvpool", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.kvpool = state
-    token_text = TokenText(state.tokenizer.tokenizer.id_to_token)
+    token_text = protocol_token_text(state.tokenizer.tokenizer)
     token_bound = TokenBound(token_text, state.tokenizer.tokenizer.get_vocab_size())
 
     @app.exception_handler(APIError)

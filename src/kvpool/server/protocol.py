@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from functools import cache
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -29,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from kvpool.engine.engine import RequestOutput
 from kvpool.engine.sampling import MAX_STOP_CHARS, SEED_MAX, SEED_MIN
+from kvpool.server.text_stream import TokenBytes
 
 MAX_N = 16  # samples per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -415,13 +415,21 @@ def _byte_decoder() -> dict[str, int]:
 
 
 class TokenText:
-    """A token id's bytes and text, as the logprobs fields show them."""
+    """A token id's bytes and text, as the logprobs fields show them. `byte_tokens`: None for
+    byte-level BPE (each piece spelled in GPT-2's byte alphabet); for a SentencePiece-style
+    tokenizer (models/hf_tokenizer.py), its byte-fallback tokens ("<0xNN>": that byte), every
+    other piece being UTF-8 text with "▁" for a space."""
 
-    def __init__(self, id_to_token) -> None:
+    def __init__(self, id_to_token, byte_tokens: frozenset[int] | None = None) -> None:
         self._id_to_token = id_to_token
+        self.byte_tokens = byte_tokens
 
     def bytes(self, token_id: int) -> list[int]:
         piece = self._id_to_token(token_id) or ""
+        if self.byte_tokens is not None:
+            if token_id in self.byte_tokens:
+                return [int(piece[3:5], 16)]
+            return list(piece.replace("\u2581", " ").encode())
         table = _byte_decoder()
         if all(ch in table for ch in piece):
             return [table[ch] for ch in piece]
@@ -430,29 +438,57 @@ class TokenText:
     def text(self, token_id: int) -> str:
         return bytes(self.bytes(token_id)).decode("utf-8", errors="replace")
 
+    def span(self, token_id: int) -> int:
+        """The most bytes of a prompt's text that this token can stand for: its bytes; for a
+        SentencePiece piece, its spelling's where longer ("▁", 3 bytes, may be a "▁" of the text)."""
+        num = len(self.bytes(token_id))
+        if self.byte_tokens is not None and token_id not in self.byte_tokens:
+            num = max(num, len((self._id_to_token(token_id) or "").encode()))
+        return num
 
-def decoded_bytes(tokenizer: Any) -> Callable[[int], bytes]:
+
+def is_byte_fallback_piece(piece: str | None) -> bool:
+    """Whether a piece is a byte-fallback token's spelling, "<0xNN>" (as the ByteFallback decoder reads it)."""
+    if piece is None or len(piece) != 6 or not piece.startswith("<0x") or not piece.endswith(">"):
+        return False
+    return all(c in "0123456789abcdefABCDEF" for c in piece[3:5])
+
+
+def token_text(tokenizer: Any) -> TokenText:
+    """The TokenText of a `tokenizers.Tokenizer`: byte-level BPE where its decoder is
+    ByteLevel, else SentencePiece-style (the only other kind models/hf_tokenizer.py loads)."""
+    if type(tokenizer.decoder).__name__ == "ByteLevel":
+        return TokenText(tokenizer.id_to_token)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    specials = tokenizer.get_added_tokens_decoder()
+    pieces = ((i, tokenizer.id_to_token(i)) for i in range(size) if i not in specials)
+    return TokenText(tokenizer.id_to_token, frozenset(i for i, piece in pieces if is_byte_fallback_piece(piece)))
+
+
+def decoded_bytes(tokenizer: Any) -> TokenBytes:
     """A token id's bytes as the text's decode (`skip_special_tokens`) joins them: a special
-    token's are none. `tokenizer` is the `tokenizers.Tokenizer` (byte-level BPE)."""
-    tt = TokenText(tokenizer.id_to_token)
+    token's are none. `tokenizer` is the `tokenizers.Tokenizer` (byte-level BPE or
+    SentencePiece-style: the TokenBytes says which, and so how TextStream decodes)."""
+    tt = token_text(tokenizer)
     skipped = {token_id for token_id, added in tokenizer.get_added_tokens_decoder().items() if added.special}
 
     def token_bytes(token_id: int) -> bytes:
         return b"" if token_id in skipped else bytes(tt.bytes(token_id))
 
-    return token_bytes
+    return TokenBytes(token_bytes, tt.byte_tokens)
 
 
 class TokenBound:
-    """The fewest tokens a text can make, without tokenizing it. Byte-level BPE (the only
-    kind kvpool builds, no normalizer): each byte of the text lies in exactly one token, but
-    for the bytes the vocabulary has no token of (dropped: in SmolLM2 the lead bytes of
-    planes 4-16 and those UTF-8 never uses), and no token stands for more bytes than the
-    longest one."""
+    """The fewest tokens a text can make, without tokenizing it. Byte-level BPE: each byte
+    of the text lies in exactly one token, but for the bytes the vocabulary has no token of
+    (dropped: in SmolLM2 the lead bytes of planes 4-16 and those UTF-8 never uses), and no
+    token stands for more bytes than the longest one. SentencePiece-style (byte fallback:
+    every byte has a token; the normalizer only turns a space into "▁" and may prepend one):
+    the same, a token standing for at most its piece's bytes or its decoded bytes (TokenText.span)."""
 
     def __init__(self, tt: TokenText, vocab_size: int) -> None:
         vocab = [tt.bytes(t) for t in range(vocab_size)]
-        self.max_token_bytes = max(len(b) for b in vocab)
+        self.max_token_bytes = max(tt.span(t) for t in range(vocab_size))
         self.untokenized = bytes(set(range(256)) - {b[0] for b in vocab if len(b) == 1})
 
     def num_bytes(self, text: str) -> int:

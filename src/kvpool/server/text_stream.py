@@ -8,6 +8,16 @@ character itself or a byte no UTF-8 character holds, is text and is shown), and 
 `holdback` characters wait while a stop string could still be forming. A sample that
 finished on "stop" or "length" shows the engine's final text, all of it: the decode of its
 ids, so a character the length limit cut ends it as U+FFFD, as vLLM's and HF's final text do.
+
+Two kinds of decoder, told by the TokenBytes (server/protocol.py decoded_bytes): byte-level BPE
+decodes a sequence split at a character boundary as the concatenation of its parts, so only
+the tokens after the stable ones are decoded. A SentencePiece-style decoder (Replace "▁" by a
+space, ByteFallback, Fuse, Strip the text's first space) does not: "▁world" decoded alone
+loses its space, and a run of byte-fallback tokens "<0xNN>" decodes as its UTF-8 text only
+when the whole run is valid UTF-8, else as one U+FFFD a byte. Its new tokens are decoded after
+a few earlier ones (the context) and the context's own decode is cut off the front; the text
+of a trailing byte-fallback run waits until a token that is no byte ends the run (a later
+byte could still turn all of it into U+FFFD), or the sample ends.
 """
 
 from __future__ import annotations
@@ -15,6 +25,23 @@ from __future__ import annotations
 import codecs
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBytes:
+    """A token id's bytes as the text's decode joins them (a skipped special token's: none),
+    and the decoder's kind: `byte_tokens` None for byte-level BPE, else a SentencePiece-style
+    decoder's byte-fallback token ids."""
+
+    of: Callable[[int], bytes]
+    byte_tokens: frozenset[int] | None = None
+
+    def __call__(self, token_id: int) -> bytes:
+        return self.of(token_id)
+
+
+# a SentencePiece-style stream's context is moved up to its newest token once it spans more tokens
+_CONTEXT_TOKENS = 8
 
 
 @dataclass(slots=True)
@@ -32,6 +59,10 @@ class TextStream:
     visible: list[int] = field(default_factory=list)
     num_stable_tokens: int = 0
     stable_text: str = ""
+    # SentencePiece-style: the context's first token and its decode (visible[context_start:
+    # num_stable_tokens]); each step decodes visible[context_start:] and cuts context_text off
+    context_start: int = 0
+    context_text: str = ""
 
     def advance(self, new_ids: list[int], reason: str | None, final_text: str = "") -> str:
         """The text that may be shown now beyond `sent_text`, after the visible (non-EOS) token
@@ -41,6 +72,10 @@ class TextStream:
         if reason in ("stop", "length"):
             text = final_text
             limit = len(text)
+        elif (byte_tokens := getattr(self.token_bytes, "byte_tokens", None)) is not None:
+            self.visible.extend(new_ids)
+            text, held = self._context_text(byte_tokens, reason is not None)
+            limit = len(text) - held - (0 if reason is not None else self.holdback)
         else:
             self.visible.extend(new_ids)
             text = self.stable_text + self.decode(self.visible[self.num_stable_tokens :])
@@ -57,6 +92,62 @@ class TextStream:
         new_text = text[len(self.sent_text) : limit]
         self.sent_text += new_text
         return new_text
+
+    def _context_text(self, byte_tokens: frozenset[int], ended: bool) -> tuple[str, int]:
+        """A SentencePiece-style decoder's text of the visible tokens, and how many of its last
+        characters wait: those of a trailing byte-fallback run (`ended`, an aborted sample:
+        none but an incomplete character's bytes)."""
+        window = self.decode(self.visible[self.context_start :])
+        if not window.startswith(self.context_text):  # (the context ends on no byte token: cannot happen)
+            return self.stable_text, 0
+        text = self.stable_text + window[len(self.context_text) :]
+        # the trailing byte-fallback run: byte tokens, and the special tokens among them that
+        # decode skips (their neighbours join: one run)
+        start, run = len(self.visible), False
+        while start > self.num_stable_tokens:
+            token_id = self.visible[start - 1]
+            if token_id in byte_tokens:
+                run = True
+            elif self.token_bytes(token_id):
+                break
+            start -= 1
+        if not run:
+            # stable for good: the next token cannot join a byte run with these ones
+            self.stable_text, self.num_stable_tokens = text, len(self.visible)
+            last = self.visible[-1] if self.visible else None
+            if len(self.visible) - self.context_start > _CONTEXT_TOKENS and last is not None and self.token_bytes(last):
+                # a new context: the newest token alone (its decode keeps a character, so the
+                # decoder's first-space strip takes the same space off both decodes)
+                self.context_start, self.context_text = len(self.visible) - 1, self.decode([last])
+            else:
+                self.context_text = window
+            return text, 0
+        data = b"".join(self.token_bytes(t) for t in self.visible[start:])
+        held = len(_fallback_text(data))
+        if ended:  # no byte comes: the run's text less an incomplete character's bytes shows
+            cut = _incomplete_tail(data)
+            if not cut:
+                return text, 0
+            kept = _fallback_text(data[:-cut])
+            text = text[: max(len(text) - held, len(self.stable_text))] + kept
+            return text, 0
+        return text, min(held, len(text) - len(self.stable_text))
+
+
+def _fallback_text(data: bytes) -> str:
+    """A byte-fallback run's text as the ByteFallback decoder gives it: the UTF-8 text when
+    all of it is valid, else one U+FFFD a byte."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return "\ufffd" * len(data)
+
+
+def _incomplete_tail(data: bytes) -> int:
+    """How many of the last bytes of `data` are an incomplete UTF-8 character (0-3)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data[-3:])
+    return len(decoder.getstate()[0])
 
 
 def ends_inside_a_character(token_ids: list[int], token_bytes: Callable[[int], bytes] | None) -> bool:

@@ -1,0 +1,450 @@
+"""SentencePiece-style tokenizer.json (Llama 2, Mistral 7B v0.1-v0.3, TinyLlama): a BPE with
+byte fallback, "▁" for a space, the decoder Replace + ByteFallback + Fuse + Strip. Built here
+by the tokenizers library (hf_tiny.spm_tokenizer), read by models/hf_tokenizer.py and compared
+with transformers' AutoTokenizer (LlamaTokenizer for a "llama" model: it rebuilds the pipeline
+from tokenizer_config.json's legacy / add_prefix_space; tokenizer.json as it is otherwise);
+its text streams (server/text_stream.py) against the decode of the whole output; a tiny random
+Llama directory with it through `kvpool generate` and `kvpool serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvpool
+from hf_tiny import SPM_CORPUS, save_spm_tokenizer, spm_tokenizer
+from kvpool.cli.main import main
+from kvpool.models.hf_tokenizer import load_hf_tokenizer
+from kvpool.server.protocol import TokenBound, decoded_bytes, token_text
+from kvpool.server.text_stream import TextStream
+from test_hf_dir import _hf_greedy
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "Hello world",
+    " Hello  world ",
+    "Hello</s>world <s> again",
+    "<s>[INST] Hi [/INST]",
+    "a  b\n c\t d\n\n",
+    "你好，世界！ 🙂🚀 Café crème ¿qué?",
+    "digits 0123456789 3.14159",
+    "x\u2581y \u2581\u2581z",
+    " ",
+    "",
+    "\U0001f9ea rare 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ǅ",
+]
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there, 你好"},
+    {"role": "assistant", "content": "Hello! 🙂"},
+    {"role": "user", "content": "Ça va?"},
+]
+
+
+def _reference(path: Path):
+    import transformers.utils.logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # (its warnings about the tiny vocabulary)
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def spm_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("spm") / "llama2"
+    save_spm_tokenizer(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "model_type, config, reference_class",
+    [
+        ("llama", {}, "LlamaTokenizer"),  # Llama 2 / TinyLlama: legacy false, add_bos_token
+        ("llama", {"legacy": True}, "LlamaTokenizer"),  # "▁" before every piece between special tokens
+        ("llama", {"legacy": None}, "LlamaTokenizer"),  # (LlamaTokenizer's default: false)
+        ("llama", {"add_prefix_space": False}, "LlamaTokenizer"),  # no "▁" prepended, none stripped
+        # add_bos_token / add_eos_token are not read (transformers 5): tokenizer.json's post-processor adds <s>
+        ("llama", {"tokenizer_class": "LlamaTokenizerFast", "add_eos_token": True}, "LlamaTokenizer"),
+        ("llama", {"add_bos_token": False}, "LlamaTokenizer"),
+        ("llama", {"tokenizer_class": None}, "TokenizersBackend"),  # tokenizer.json as it is
+        ("llama", {"tokenizer_class": "PreTrainedTokenizerFast", "legacy": True}, "TokenizersBackend"),
+        ("mistral", {"legacy": True}, "TokenizersBackend"),  # Mistral 7B: tokenizer.json as it is
+        ("mistral", {"add_bos_token": False}, "TokenizersBackend"),
+    ],
+)
+def test_the_directory_tokenizer_equals_transformers_autotokenizer(tmp_path, model_type, config, reference_class):
+    path = tmp_path / "tok"
+    save_spm_tokenizer(path, model_type, **config)
+    ours, ref = load_hf_tokenizer(path), _reference(path)
+    assert type(ref).__name__ == reference_class
+    for text in TEXTS + SPM_CORPUS[:4]:
+        ids = ref(text).input_ids
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids), text
+    for messages in (MESSAGES, MESSAGES[1:2]):
+        text = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.render_chat(messages) == text
+        assert ours.encode_chat(messages) == ref.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    assert (ours.bos_token_id, ours.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
+
+
+def test_the_text_after_a_special_token_takes_no_space_unless_legacy(tmp_path):
+    """The premise of the legacy flag, as transformers' LlamaTokenizer has it: "▁" is prepended
+    to the text's start only (legacy false), or to every piece between special tokens."""
+    ids = {}
+    for legacy in (False, True):
+        save_spm_tokenizer(tmp_path / str(legacy), legacy=legacy)
+        tok = load_hf_tokenizer(tmp_path / str(legacy))
+        ids[legacy] = tok.tokenizer.encode("</s>The", add_special_tokens=False).tokens
+    assert ids[False] == ["</s>", "The"] and ids[True] == ["</s>", "\u2581The"], ids
+
+
+def test_token_bytes_are_each_tokens_utf8_bytes(spm_dir):
+    """decoded_bytes / TokenText: a byte-fallback token's byte, a piece's text with "▁" a space,
+    a special token's none (decode skips it) or its spelling (logprobs); checked against the
+    decoder: a token's text after a context token is the difference of the two decodes."""
+    tok = load_hf_tokenizer(spm_dir)
+    tb, tt = decoded_bytes(tok.tokenizer), token_text(tok.tokenizer)
+    size = tok.tokenizer.get_vocab_size()
+    assert tb.byte_tokens == frozenset(range(3, 259)) and tt.byte_tokens == tb.byte_tokens
+    a = tok.tokenizer.token_to_id("a")
+    for t in range(size):
+        piece = tok.tokenizer.id_to_token(t)
+        if t in (0, 1, 2):
+            assert tb(t) == b"" and bytes(tt.bytes(t)) == piece.encode()
+        elif t in tb.byte_tokens:
+            assert tb(t) == bytes([t - 3]) and tt.text(t) == bytes([t - 3]).decode(errors="replace")
+        else:
+            context = tok.decode([a])
+            assert tb(t).decode() == tok.decode([a, t])[len(context) :], piece
+    assert tb(tok.tokenizer.token_to_id("\u2581the")) == b" the"
+    # random runs join to the decode (a run of byte tokens: its UTF-8 text or a U+FFFD a byte)
+    rng = random.Random(0)
+    for _ in range(2000):
+        ids = [rng.randrange(size) for _ in range(rng.randint(1, 6))]
+        data = b"".join(map(tb, ids))
+        text = tok.decode(ids)
+        if all(t not in tb.byte_tokens for t in ids):
+            assert text == data.decode().removeprefix(" "), ids
+
+
+def test_no_token_spans_more_bytes_than_the_bound_the_server_refuses_by(spm_dir):
+    tok = load_hf_tokenizer(spm_dir)
+    tt = token_text(tok.tokenizer)
+    bound = TokenBound(tt, tok.tokenizer.get_vocab_size())
+    assert bound.untokenized == b""  # (byte fallback: every byte has a token)
+    pieces = st.sampled_from(["word ", " ", "    ", "\u2581\u2581\u2581", "1234", "日本語", "é", "</s>", "🙂", "\n"])
+    texts = st.lists(st.one_of(pieces, st.text(max_size=20)), max_size=60).map("".join)
+
+    @settings(max_examples=200, deadline=None)
+    @given(texts)
+    def check(text: str) -> None:
+        try:
+            num_bytes = bound.num_bytes(text)
+        except UnicodeEncodeError:
+            return
+        assert len(tok.encode(text)) >= bound.least_tokens(num_bytes)
+
+    check()
+
+
+def _stream_pieces(tok, token_bytes, ids: list[int], cuts: list[int], end: str) -> tuple[list[str], list[str]]:
+    """The texts a stream shows as `ids` arrive in chunks cut at `cuts`, ending with `end` (a
+    finish reason: "length" shows the final text, the decode of all ids); and, after each
+    chunk, the text shown so far."""
+    stream = TextStream(tok.decode, token_bytes)
+    shown, so_far = [], []
+    bounds = sorted(set(c for c in cuts if 0 < c < len(ids))) + [len(ids)]
+    start = 0
+    for i, stop in enumerate(bounds):
+        last = i == len(bounds) - 1
+        reason = end if last else None
+        shown.append(stream.advance(ids[start:stop], reason, tok.decode(ids) if reason == "length" else ""))
+        so_far.append(stream.sent_text)
+        start = stop
+    return shown, so_far
+
+
+def _id_lists(size: int, byte_ids: list[int], special_ids: list[int]):
+    ordinary = st.integers(0, size - 1)
+    return st.lists(st.one_of(ordinary, ordinary, st.sampled_from(byte_ids), st.sampled_from(special_ids)), max_size=40)
+
+
+def test_every_streaming_joins_to_the_decode_and_never_shows_what_a_later_token_changes(spm_dir):
+    """Random id sequences (byte-fallback tokens, the lead bytes of 2-4-byte characters and
+    their continuation bytes, special tokens among them) in random chunks: the shown pieces
+    join to the decode of all ids on "length"; what was shown after any chunk is a prefix of
+    the final decode (no later token changes it), and equals the decode so far whenever the
+    last token that decode does not skip is no byte token (nothing waits then); an aborted
+    stream shows all of it unless it ends inside a character."""
+    tok = load_hf_tokenizer(spm_dir)
+    tb = decoded_bytes(tok.tokenizer)
+    size = tok.tokenizer.get_vocab_size()
+    byte_ids = [3 + b for b in [0x41, 0x20, 0xC3, 0xA9, 0xE4, 0xBD, 0xA0, 0xF0, 0x9F, 0x99, 0x82, 0xFF, 0x80]]
+
+    @settings(max_examples=300, deadline=None)
+    @given(_id_lists(size, byte_ids, [0, 1, 2]), st.lists(st.integers(0, 40), max_size=12))
+    def check(ids: list[int], cuts: list[int]) -> None:
+        full = tok.decode(ids)
+        shown, so_far = _stream_pieces(tok, tb, ids, cuts, "length")
+        assert "".join(shown) == full
+        bounds = sorted(set(c for c in cuts if 0 < c < len(ids))) + [len(ids)]
+        for stop, text in zip(bounds[:-1], so_far[:-1], strict=True):
+            assert full.startswith(text), (ids, stop, text)
+            kept = [t for t in ids[:stop] if t not in (0, 1, 2)]  # (decode skips the special tokens)
+            if not kept or kept[-1] not in tb.byte_tokens:
+                assert text == tok.decode(ids[:stop]), (ids, stop)
+        # one token a step (as decode steps give them), each step's text checked the same way
+        shown, so_far = _stream_pieces(tok, tb, ids, list(range(1, len(ids))), "length")
+        assert "".join(shown) == full
+        for stop, text in zip(range(1, len(ids)), so_far[:-1], strict=True):
+            assert full.startswith(text), (ids, stop, text)
+            kept = [t for t in ids[:stop] if t not in (0, 1, 2)]
+            if not kept or kept[-1] not in tb.byte_tokens:
+                assert text == tok.decode(ids[:stop]), (ids, stop)
+        # an abort after every prefix: what shows is a prefix of every continuation's decode
+        # up to the half character left out
+        aborted = "".join(_stream_pieces(tok, tb, ids, cuts, "abort")[0])
+        cut = _half_tail(b"".join(map(tb, ids)), ids, tb.byte_tokens)
+        assert full.startswith(aborted) or cut, (ids, aborted)
+        if not cut:
+            assert aborted == full
+
+    check()
+
+
+def _half_tail(data: bytes, ids: list[int], byte_tokens) -> bool:
+    """Whether `ids` (decode skips the special tokens 0-2) end in a byte-fallback run whose
+    bytes end inside a character."""
+    import codecs
+
+    ids = [t for t in ids if t not in (0, 1, 2)]
+    if not ids or ids[-1] not in byte_tokens:
+        return False
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data[-3:])
+    return bool(decoder.getstate()[0])
+
+
+def test_a_character_in_byte_fallback_tokens_shows_whole_and_once(spm_dir):
+    """ "你" (E4 BD A0) in three byte tokens after "▁Hello": nothing of it shows until the
+    token after it ends the run (a byte that follows could still turn the run into U+FFFDs);
+    "▁world" after it keeps its space."""
+    tok = load_hf_tokenizer(spm_dir)
+    tb = decoded_bytes(tok.tokenizer)
+    hello, world = (tok.tokenizer.token_to_id(p) for p in ("\u2581The", "\u2581the"))
+    stream = TextStream(tok.decode, tb)
+    steps = [[hello], [3 + 0xE4], [3 + 0xBD], [3 + 0xA0], [world]]
+    assert [stream.advance(s, None) for s in steps] == ["The", "", "", "", "你 the"]
+    # an invalid byte after a whole character turns the run into U+FFFDs: nothing was shown of it
+    stream = TextStream(tok.decode, tb)
+    steps = [[hello], [3 + 0xC3, 3 + 0xA9], [3 + 0xFF], [world]]
+    assert [stream.advance(s, None) for s in steps] == ["The", "", "", "\ufffd\ufffd\ufffd the"]
+    assert tok.decode([hello, 3 + 0xC3, 3 + 0xA9, 3 + 0xFF, world]) == "The\ufffd\ufffd\ufffd the"
+    # an aborted sample shows a whole run, and a cut one less its half character
+    stream = TextStream(tok.decode, tb)
+    assert stream.advance([hello, 3 + 0xC3, 3 + 0xA9], None) == "The"
+    assert stream.advance([3 + 0xE4, 3 + 0xBD], "abort") == "é"
+    stream = TextStream(tok.decode, tb)
+    assert stream.advance([hello, 3 + 0xC3, 3 + 0xA9], "abort") == "Theé"
+
+
+def test_a_context_that_decodes_to_nothing_does_not_take_the_next_space(spm_dir):
+    """The context moves up to the newest token only where that token is text: a special
+    token (decode skips it) as the context would let the decoder strip the next token's space."""
+    tok = load_hf_tokenizer(spm_dir)
+    tb = decoded_bytes(tok.tokenizer)
+    the, fox = (tok.tokenizer.token_to_id(p) for p in ("\u2581The", "\u2581fox"))
+    for ids in ([the] * 8 + [0, fox, 0, 0, fox], [the] * 7 + [0, 0, fox] + [0] * 9 + [fox]):
+        stream = TextStream(tok.decode, tb)
+        text = "The" + " The" * (ids.count(the) - 1) + " fox fox"
+        assert "".join(stream.advance([t], None) for t in ids) == tok.decode(ids) == text
+
+
+def test_a_stop_string_holdback_waits_on_the_same_text(spm_dir):
+    tok = load_hf_tokenizer(spm_dir)
+    tb = decoded_bytes(tok.tokenizer)
+    ids = tok.tokenizer.encode("Hello world, hello again!", add_special_tokens=False).ids
+    stream = TextStream(tok.decode, tb, holdback=3)
+    shown = [stream.advance([t], None) for t in ids]
+    assert "".join(shown) == "Hello world, hello agai"[: len("".join(shown))]
+    assert "".join(shown) == tok.decode(ids)[:-3]
+
+
+def test_the_byte_level_stream_is_unchanged(tmp_path):
+    """A byte-level tokenizer's stream takes the old path (only the tokens after the stable
+    ones decoded): its TokenBytes has no byte tokens."""
+    from hf_tiny import save_tokenizer
+
+    save_tokenizer(tmp_path / "bl")
+    tok = load_hf_tokenizer(tmp_path / "bl")
+    tb = decoded_bytes(tok.tokenizer)
+    assert tb.byte_tokens is None and token_text(tok.tokenizer).byte_tokens is None
+    calls = []
+    stream = TextStream(lambda ids: calls.append(list(ids)) or tok.decode(ids), tb)
+    ids = tok.tokenizer.encode("Hello world again", add_special_tokens=False).ids
+    assert "".join(stream.advance([t], None) for t in ids) == "Hello world again"
+    assert calls == [[t] for t in ids]
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda s: s.update(decoder={"type": "WordPiece", "prefix": "##", "cleanup": True}),
+            "its decoder is WordPiece;",
+        ),
+        (
+            lambda s: s.update(decoder={"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always"}),
+            "its decoder is Metaspace;",
+        ),
+        (
+            lambda s: s["decoder"]["decoders"].append(
+                {"type": "CTC", "pad_token": "<pad>", "word_delimiter_token": "|", "cleanup": True}
+            ),
+            r"its decoder is Sequence\[Replace, ByteFallback, Fuse, Strip, CTC\];",
+        ),
+        (lambda s: s.update(decoder=None), "its decoder is none;"),
+        (lambda s: s["model"].update(byte_fallback=False), "a BPE model without byte_fallback"),
+        (lambda s: s.update(normalizer={"type": "NFKC"}), "its normalizer is NFKC;"),
+        (
+            lambda s: s.update(pre_tokenizer={"type": "Whitespace"}),
+            "its pre-tokenizer is Whitespace; a SentencePiece-style",
+        ),
+    ],
+)
+def test_a_tokenizer_of_another_kind_is_refused_in_one_line_naming_it(tmp_path, capsys, edit, match):
+    path = tmp_path / "m"
+    save_spm_tokenizer(path, model_type="mistral")
+    spec = json.loads((path / "tokenizer.json").read_text())
+    edit(spec)
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=match):
+        load_hf_tokenizer(path)
+    _llama_weights(path)
+    capsys.readouterr()
+    assert main(["generate", "hi", "--model", str(path), "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "tokenizer.json: its " in err or "tokenizer.json: a SentencePiece-style" in err, err
+
+
+def _llama_weights(path: Path, seed: int = 3) -> None:
+    """A tiny random LlamaForCausalLM in `path` (config.json replaced), its vocabulary the
+    SentencePiece-style tokenizer's."""
+    from random_llama import TINY_HF_LLAMA
+
+    sizes = {"vocab_size": spm_tokenizer().get_vocab_size(), "max_position_embeddings": 2048}
+    config = transformers.LlamaConfig(**{**TINY_HF_LLAMA, **sizes, "bos_token_id": 1, "eos_token_id": 2})
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # (transformers' init draws small weights: spread the logits apart)
+        model.lm_head.weight.mul_(40)
+        # byte-fallback tokens but those of "你" (E4 BD A0), "é" (C3 A9) and "🙂" (F0 9F 99 82)
+        # never win (logit 0): random weights otherwise write mostly bytes no character holds
+        kept = [3 + b for b in (0xE4, 0xBD, 0xA0, 0xC3, 0xA9, 0xF0, 0x9F, 0x99, 0x82)]
+        model.lm_head.weight[[t for t in range(3, 259) if t not in kept]] = 0
+    model.save_pretrained(path)
+
+
+def _spm_llama_dir(path: Path) -> Path:
+    _llama_weights(path)
+    save_spm_tokenizer(path)
+    return path
+
+
+def test_generate_streams_the_decode_of_its_tokens(tmp_path, capsys):
+    """`kvpool generate` on a tiny random Llama with the SentencePiece-style tokenizer: the
+    streamed stdout is the decode of the tokens --json reports (spaces kept: the last
+    session's 'Helloworld'), and the prompt is transformers' chat ids."""
+    path = _spm_llama_dir(tmp_path / "llama2")
+    ref = _reference(path)
+    for n, chat in ((40, True), (40, False)):
+        base = ["generate", "Hello world, 你好", "--model", str(path), "--max-tokens", str(n)]
+        base += [] if chat else ["--no-chat"]
+        capsys.readouterr()
+        assert main([*base, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert len(report["token_ids"]) >= 10, report["token_ids"]
+        prompt = (
+            ref.apply_chat_template([{"role": "user", "content": "Hello world, 你好"}], add_generation_prompt=True)[
+                "input_ids"
+            ]
+            if chat
+            else ref("Hello world, 你好").input_ids
+        )
+        assert report["prompt_tokens"] == len(prompt)
+        text = ref.decode(report["token_ids"], skip_special_tokens=True)
+        assert report["text"] == text
+        assert main(base) == 0
+        out = capsys.readouterr().out
+        assert out == text + "\n" or out == text, (out, text)
+        assert " " in text  # (the premise: spaces to lose)
+
+
+def test_serve_streams_deltas_that_join_to_the_text_and_transformers_decode(tmp_path):
+    openai = pytest.importorskip("openai")
+    path = _spm_llama_dir(tmp_path / "llama2")
+    src = str(Path(kvpool.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool", "serve", "--model", str(path), "--port", "0", "--kv-memory", "4MiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    ref = _reference(path)
+    try:
+        deadline, line = time.monotonic() + 120, ""
+        while "ready on " not in line and time.monotonic() < deadline and proc.poll() is None:
+            if select.select([proc.stdout], [], [], 1)[0]:
+                line = proc.stdout.readline()
+        assert "ready on " in line, proc.stderr.read() if proc.poll() is not None else "not ready in 120 s"
+        url = line.split("ready on ", 1)[1].split()[0]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60)
+        messages = [{"role": "user", "content": "Hello world, 你好"}]
+        options = {"model": "llama2", "max_tokens": 40, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        whole = client.chat.completions.create(messages=messages, logprobs=True, **options)
+        assert whole.usage.completion_tokens == 40
+        chunks = client.chat.completions.create(messages=messages, stream=True, **options)
+        deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        text = whole.choices[0].message.content
+        assert "".join(deltas) == text and " " in text
+        # transformers' greedy tokens (fp32, margins no CPU's rounding can cross), decoded by it
+        prompt = ref.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        ids, gap = _hf_greedy(path, torch.float32, prompt, 40)
+        assert gap > 1e-3, gap
+        assert text == ref.decode(ids, skip_special_tokens=True)
+        # logprobs' bytes: each token's own UTF-8 bytes (a byte-fallback token's byte, " " for "▁")
+        tt = token_text(load_hf_tokenizer(path).tokenizer)
+        assert [bytes(e.bytes) for e in whole.choices[0].logprobs.content] == [bytes(tt.bytes(t)) for t in ids]
+        completion = client.completions.create(prompt="Hello world", **options)
+        ids = ref("Hello world").input_ids
+        assert completion.usage.prompt_tokens == len(ids)
+        streamed = client.completions.create(prompt="Hello world", stream=True, **options)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == completion.choices[0].text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "cache integrity ok, 0 blocks held" in err, err
+
+
+def test_a_legacy_flag_that_is_no_boolean_is_refused_naming_the_file(tmp_path):
+    save_spm_tokenizer(tmp_path / "t", legacy="yes")
+    with pytest.raises(ValueError, match=r"t/tokenizer_config\.json: legacy is 'yes', not true or false"):
+        load_hf_tokenizer(tmp_path / "t")
