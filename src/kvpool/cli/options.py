@@ -544,7 +544,8 @@ def options_table() -> str:
         + "; another, such as DeepSeek's `deepseek-llm`, is refused in one line), its RoPE plain, linear-scaled "
         "or Llama 3.1's (`rope_freqs.weight`: Llama 3.1 / 3.2 run; YaRN and LongRoPE are refused), or a Hugging "
         "Face directory of a Llama / Mistral / Qwen2 / Qwen3 (config.json, safetensors, tokenizer.json of "
-        "byte-level BPE, not SentencePiece: text in and out, its chat template, the tiers); `run` also takes "
+        "byte-level BPE or SentencePiece-style BPE with byte fallback, as Llama 2 / Mistral 7B / TinyLlama's: "
+        "text in and out, its chat template, the tiers); `run` also takes "
         + ", ".join(f"`{m}`" for m in ENGINE_MODELS[1:])
         + ", a Llama / Mistral / Qwen2 / Qwen3 config.json (seeded random weights) or its Hugging Face directory "
         "without a tokenizer.json (its weights; token ids in and out), `generate` and `eval kv-quant` take "
