@@ -32,8 +32,8 @@ def add_architecture(
 
 def write_gguf(path, **over) -> str:
     """A 2-layer Llama GGUF (hidden 16, 4 heads, 2 KV heads, vocab 32); `over` replaces
-    metadata (heads, kvh, hidden, key_length, ctx, theta, eps, vocab; template, merges,
-    token_types: the tokenizer's; raw_kv {key: value} any key) or a tensor's dims (q_rows,
+    metadata (heads, kvh, hidden, key_length, ctx, theta, eps, vocab; tokenizer_model, template,
+    merges, token_types, scores, bos / eos: the tokenizer's; raw_kv {key: value} any key) or a tensor's dims (q_rows,
     embed_rows, tokens); `skip` leaves tensors out; `extra` {name: array} adds tensors;
     `poison` {tensor: [(index, value), ...]} writes values into a tensor (numpy shape:
     [out, in]); `dtype` the tensors'."""
@@ -46,8 +46,14 @@ def write_gguf(path, **over) -> str:
         w.add_key_length(o["key_length"])
     if "vocab" in o:
         w.add_vocab_size(o["vocab"])
-    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_model(o.get("tokenizer_model", "gpt2"))
     w.add_token_list(tokens)
+    if "scores" in o:
+        w.add_token_scores(o["scores"])
+    if "bos" in o:
+        w.add_bos_token_id(o["bos"])
+    if "eos" in o:
+        w.add_eos_token_id(o["eos"])
     if "template" in o:
         w.add_chat_template(o["template"])
     if "merges" in o:

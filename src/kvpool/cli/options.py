@@ -541,7 +541,8 @@ def options_table() -> str:
         f"Model names: the engine's commands take `{DEFAULT_MODEL}` or a Llama-, Qwen2- or Qwen3-architecture "
         "GGUF file whose tokenizer is byte-level BPE split one of the ways kvpool builds (`tokenizer.ggml.pre` "
         + ", ".join(f"`{pre}`" for pre in sorted(SUPPORTED_PRES))
-        + "; another, such as DeepSeek's `deepseek-llm`, is refused in one line), its RoPE plain, linear-scaled "
+        + "; another, such as DeepSeek's `deepseek-llm`, is refused in one line) or SentencePiece BPE "
+        "(`tokenizer.ggml.model` `llama`: Llama 2, Mistral 7B, TinyLlama), its RoPE plain, linear-scaled "
         "or Llama 3.1's (`rope_freqs.weight`: Llama 3.1 / 3.2 run; YaRN and LongRoPE are refused), or a Hugging "
         "Face directory of a Llama / Mistral / Qwen2 / Qwen3 (config.json, safetensors, tokenizer.json of "
         "byte-level BPE or SentencePiece-style BPE with byte fallback, as Llama 2 / Mistral 7B / TinyLlama's: "

@@ -109,6 +109,11 @@ class TokenizerData:
     eos_token_id: int | None
     add_bos_token: bool
     chat_template: str | None
+    # a SentencePiece ("llama") tokenizer's: each token's score (its merges are ranked by them),
+    # add_eos_token, and add_space_prefix (a "▁" before the text and after each special token)
+    scores: tuple[float, ...] = ()
+    add_eos_token: bool = False
+    add_space_prefix: bool = True
 
 
 @dataclass(frozen=True)
@@ -441,11 +446,22 @@ def read_tokenizer(reader: Any) -> TokenizerData:
 
     bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
     pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
+    model = str(_require(reader, "tokenizer.ggml.model"))
     # without the key, a Llama 3 tokenizer still starts with <|begin_of_text|> (its tokenizer.json's
-    # post-processor adds it; llama.cpp's default for this pre-tokenizer too)
-    add_bos = _field(reader, "tokenizer.ggml.add_bos_token", pre == "llama-bpe")
-    if not isinstance(add_bos, (bool, np.bool_)):  # bool("false") is True: a string added a BOS
-        raise ValueError(f"GGUF metadata tokenizer.ggml.add_bos_token must be true or false, got {add_bos!r}")
+    # post-processor adds it; llama.cpp's default for this pre-tokenizer too), and a SentencePiece one
+    # with <s> (llama.cpp's default for it)
+    flags = {}
+    for key, default in (("add_bos_token", pre == "llama-bpe" or model == "llama"), ("add_eos_token", False)):
+        flags[key] = _field(reader, f"tokenizer.ggml.{key}", default)
+    flags["add_space_prefix"] = _field(reader, "tokenizer.ggml.add_space_prefix", True)
+    for key, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):  # bool("false") is True: a string added a BOS
+            raise ValueError(f"GGUF metadata tokenizer.ggml.{key} must be true or false, got {value!r}")
+    scores = _field(reader, "tokenizer.ggml.scores", ())
+    try:
+        scores = tuple(float(x) for x in scores)
+    except (TypeError, ValueError):
+        raise ValueError("GGUF metadata tokenizer.ggml.scores must be an array of numbers") from None
     tokens = tuple(_require(reader, "tokenizer.ggml.tokens"))
     merges = tuple(_field(reader, "tokenizer.ggml.merges", ()))
     token_types = ints("tokenizer.ggml.token_type")
@@ -465,16 +481,21 @@ def read_tokenizer(reader: Any) -> TokenizerData:
         left, _, right = merge.partition(" ") if isinstance(merge, str) else ("", "", "")
         if not (left and right):
             raise ValueError(f"GGUF metadata tokenizer.ggml.merges[{i}] {merge!r} is not two tokens joined by a space")
+    if scores and len(scores) != len(tokens):
+        raise ValueError(f"GGUF metadata tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
     return TokenizerData(
-        model=str(_require(reader, "tokenizer.ggml.model")),
+        model=model,
         pre=pre,
         tokens=tokens,
         merges=merges,
         token_types=token_types,
         bos_token_id=bos,
         eos_token_id=eos,
-        add_bos_token=bool(add_bos),
+        add_bos_token=bool(flags["add_bos_token"]),
         chat_template=_field(reader, "tokenizer.chat_template"),
+        scores=scores,
+        add_eos_token=bool(flags["add_eos_token"]),
+        add_space_prefix=bool(flags["add_space_prefix"]),
     )
 
 

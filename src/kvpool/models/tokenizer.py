@@ -9,6 +9,11 @@ llama.cpp do); Llama 3 ('llama-bpe') and Qwen2 ('qwen2') split with their own re
 one in their tokenizer.json, which llama.cpp also runs), and Llama 3 takes a piece that is
 a whole vocabulary token as that token before any merge (HF's `ignore_merges`, llama.cpp's
 too for that pre-tokenizer).
+
+GGUF's `llama` tokenizer model is SentencePiece BPE (Llama 2, Mistral 7B, TinyLlama): tokens with
+scores and no merges; the merges are recovered from the scores (spm_merges), characters the
+vocabulary lacks are written as byte-fallback tokens (token_type 6), and text is read as
+llama.cpp reads it (_build_spm).
 """
 
 from __future__ import annotations
@@ -17,12 +22,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NoReturn
 
+import xxhash
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from kvpool.models.gguf import TokenizerData
 
-CONTROL_TOKEN_TYPE = 3
-USER_DEFINED_TOKEN_TYPE = 4
+NORMAL_TOKEN_TYPE, UNKNOWN_TOKEN_TYPE, CONTROL_TOKEN_TYPE, USER_DEFINED_TOKEN_TYPE, BYTE_TOKEN_TYPE = 1, 2, 3, 4, 6
 # pre-tokenizer kinds that split digits one by one before the GPT-2 byte-level regex
 _INDIVIDUAL_DIGIT_PRES = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"})
 # pre-tokenizer kinds that are the GPT-2 byte-level regex alone ("default": a GGUF without the key)
@@ -105,6 +110,7 @@ class ChatTokenizer:
     template_vars: dict[str, Any] = field(default_factory=dict)  # chat_template_vars: bos_token, eos_token, tools, ...
     stop_token_ids: tuple[int, ...] = ()  # generation_config.json's eos ids, besides eos_token_id
     post_process: bool = False  # encode runs tokenizer.json's post-processor (transformers' add_special_tokens)
+    add_eos_token: bool = False  # a GGUF's: encode puts the EOS after raw text (tokenizer.ggml.add_eos_token)
     clean_up_spaces: bool = False  # decode drops the space before punctuation (clean_up_tokenization_spaces)
 
     def _ids(self, text: str, specials: bool) -> list[int]:
@@ -117,6 +123,8 @@ class ChatTokenizer:
         ids = self._ids(text, self.post_process)
         if self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
+        if self.add_eos_token and self.eos_token_id is not None:
+            ids = [*ids, self.eos_token_id]
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -183,8 +191,13 @@ def check_tokenizer_kind(model: str, pre: str) -> None:
     """ValueError naming the tokenizer model or pre-tokenizer kvpool does not build, from the
     two header keys (tokenizer.ggml.model and .pre) alone: the loader asks before it hashes
     or reads the weights, and build_tokenizer again (a TokenizerData built by hand)."""
+    if model == "llama":  # SentencePiece BPE: no pre-tokenizer to choose
+        return
     if model != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {model!r}; kvpool builds byte-level BPE ('gpt2')")
+        raise ValueError(
+            f"unsupported GGUF tokenizer model {model!r}; kvpool builds byte-level BPE ('gpt2') and "
+            "SentencePiece BPE ('llama')"
+        )
     if pre not in SUPPORTED_PRES:
         # another split of the text (DeepSeek's "deepseek-llm", ...) fell back to GPT-2's
         # regex without a word, and the model was fed token ids its own tokenizer never makes
@@ -195,8 +208,92 @@ def check_tokenizer_kind(model: str, pre: str) -> None:
         )
 
 
+def spm_merges(tokens: tuple[str, ...], scores: tuple[float, ...], pieces: set[int]) -> list[tuple[str, str]]:
+    """The BPE merges that encode as SentencePiece's BPE does, from the token scores: it joins,
+    again and again, the two neighbours whose joined text is the piece of highest score. So a
+    merge is any split of a piece into two pieces, ranked by the joined piece's score (highest
+    first; equal scores: the lower id, then the split further left). `pieces`: the ids that take
+    part (normal tokens: not control, byte or unused ones)."""
+    known = {tokens[i]: i for i in pieces}
+    ranked = []
+    for i in pieces:
+        text = tokens[i]
+        for cut in range(1, len(text)):
+            if text[:cut] in known and text[cut:] in known:
+                ranked.append((-scores[i], i, cut))
+    ranked.sort()
+    return [(tokens[i][:cut], tokens[i][cut:]) for _, i, cut in ranked]
+
+
+def _build_spm(data: TokenizerData) -> ChatTokenizer:
+    """A GGUF's SentencePiece tokenizer (tokenizer.ggml.model "llama": Llama 2, Mistral 7B,
+    TinyLlama) as llama.cpp runs it: BPE merges from the scores (spm_merges), the byte-fallback
+    tokens (token_type 6, "<0xNN>") for characters the vocabulary lacks, a "▁" for each space
+    and, with add_space_prefix (default true), before the text and after each special token
+    (as Llama 2's own tokenizer.json normalizer: transformers' LlamaTokenizer with legacy true);
+    the decoder Replace "▁", ByteFallback, Fuse, Strip the first space (server/text_stream.py
+    streams it). Control and unknown tokens are special, user-defined ones added tokens."""
+    from tokenizers import normalizers
+
+    if not data.scores:
+        raise ValueError(
+            "GGUF metadata lacks tokenizer.ggml.scores, which a 'llama' (SentencePiece) tokenizer ranks its merges by"
+        )
+    types = data.token_types or (NORMAL_TOKEN_TYPE,) * len(data.tokens)
+    if BYTE_TOKEN_TYPE not in types:
+        raise ValueError(
+            "the GGUF's 'llama' tokenizer has no byte tokens (tokenizer.ggml.token_type 6); kvpool takes "
+            "SentencePiece BPE with byte fallback"
+        )
+    pieces = {i for i, k in enumerate(types) if k == NORMAL_TOKEN_TYPE}
+    merges = spm_merges(data.tokens, data.scores, pieces)
+    vocab = {token: index for index, token in enumerate(data.tokens)}
+    unknown = next((t for t, k in zip(data.tokens, types, strict=True) if k == UNKNOWN_TOKEN_TYPE), None)
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token=unknown, fuse_unk=True)
+    except Exception as e:  # (a bare Exception)
+        raise ValueError(f"the GGUF's 'llama' tokenizer cannot be built: {e}") from None
+    tok = Tokenizer(bpe)
+    meta = "\u2581"
+    steps = [normalizers.Replace(" ", meta)]
+    tok.normalizer = normalizers.Sequence(([normalizers.Prepend(meta)] if data.add_space_prefix else []) + steps)
+    parts = [decoders.Replace(meta, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(parts + ([decoders.Strip(" ", 1, 0)] if data.add_space_prefix else []))
+    special = {CONTROL_TOKEN_TYPE, UNKNOWN_TOKEN_TYPE}
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in zip(data.tokens, types, strict=True) if k in special]
+    )
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, k in zip(data.tokens, types, strict=True)
+        if k == USER_DEFINED_TOKEN_TYPE
+    ]
+    if user:
+        tok.add_tokens(user)
+
+    def text_of(token_id: int | None) -> str | None:
+        return data.tokens[token_id] if token_id is not None and 0 <= token_id < len(data.tokens) else None
+
+    bos, eos = text_of(data.bos_token_id), text_of(data.eos_token_id)
+    version = (
+        f"gguf-spm:{len(data.tokens)}:{xxhash.xxh3_64_hexdigest(repr((data.tokens, data.scores, types)).encode())}"
+    )
+    return ChatTokenizer(
+        tok,
+        data.chat_template,
+        data.bos_token_id,
+        data.eos_token_id,
+        add_bos_token=data.add_bos_token,
+        version=version + f":{int(data.add_bos_token)}{int(data.add_eos_token)}{int(data.add_space_prefix)}",
+        template_vars=chat_template_vars({"bos_token": bos, "eos_token": eos}),
+        add_eos_token=data.add_eos_token,
+    )
+
+
 def build_tokenizer(data: TokenizerData) -> ChatTokenizer:
     check_tokenizer_kind(data.model, data.pre)
+    if data.model == "llama":
+        return _build_spm(data)
     vocab = {token: index for index, token in enumerate(data.tokens)}
     merges = [tuple(m.split(" ", 1)) for m in data.merges]
     split, ignore_merges = _REGEX_PRES.get(data.pre, (None, False))

@@ -152,7 +152,8 @@ class WeightCache:
             divisors = None if divisors is None else tuple(divisors)
             config = LlamaConfig(**{**meta["config"], "rope_freq_divisors": divisors})
             tok = meta["tokenizer"]
-            tokenizer = TokenizerData(**{**tok, **{k: tuple(tok[k]) for k in ("tokens", "merges", "token_types")}})
+            arrays = ("tokens", "merges", "token_types", "scores")
+            tokenizer = TokenizerData(**{**tok, **{k: tuple(tok[k]) for k in arrays if k in tok}})
             model = GGUFModel(meta["path"], config, tokenizer, meta["file_type"], meta["digest"])
         except (ValueError, KeyError, TypeError) as e:
             return f"{WEIGHTS} or {META} cannot be read ({type(e).__name__}: {e})", None
