@@ -50,8 +50,9 @@ CHATS = [
 ]
 
 
-def write_tokenizer_gguf(path, template: str, add_bos: bool, pre: str = "default") -> str:
-    """A GGUF holding hf_tiny's BPE as tokenizer metadata alone (SPECIALS as control tokens)."""
+def write_tokenizer_gguf(path, template: str, add_bos: bool, pre: str = "default", add_eos: bool | None = None) -> str:
+    """A GGUF holding hf_tiny's BPE as tokenizer metadata alone (SPECIALS as control tokens);
+    tokenizer.ggml.add_eos_token written when `add_eos` is not None."""
     tok = json.loads(tiny_tokenizer().to_str())
     vocab = tok["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
@@ -66,6 +67,8 @@ def write_tokenizer_gguf(path, template: str, add_bos: bool, pre: str = "default
     w.add_bos_token_id(vocab[BOS])
     w.add_eos_token_id(vocab[EOS])
     w.add_add_bos_token(add_bos)
+    if add_eos is not None:
+        w.add_add_eos_token(add_eos)
     w.add_chat_template(template)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -165,3 +168,26 @@ def test_smollm2s_template_renders_as_before_and_as_transformers():
     assert ids == SMOLLM2_IDS
     ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     assert ids == reference_ids(ref, SMOLLM2_CHAT)
+
+
+@pytest.mark.parametrize("add_bos", [True, False], ids=["add_bos", "no_add_bos"])
+@pytest.mark.parametrize("add_eos", [True, False, None], ids=["add_eos", "no_add_eos", "no_key"])
+def test_add_eos_token_ends_a_raw_prompt_as_transformers_gguf_tokenizer_does(tmp_path, add_bos, add_eos):
+    """tokenizer.ggml.add_eos_token was not read: a GGUF that says true (embedding models' do)
+    had raw prompts encoded without the EOS that llama.cpp and transformers append. The
+    reference is transformers' own GGUF loading of the same file: raw text gets [BOS] ids [EOS]
+    as the two keys say; a chat gets what apply_chat_template gives (no EOS after the
+    generation prompt; add_bos_token's BOS as before)."""
+    path = write_tokenizer_gguf(tmp_path / "e.gguf", QWEN25_STYLE, add_bos, add_eos=add_eos)
+    tok = gguf_tokenizer(path)
+    gguf_ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="e.gguf")
+    plain = reference(QWEN25_STYLE)
+    bos, eos = plain.convert_tokens_to_ids(BOS), plain.convert_tokens_to_ids(EOS)
+    assert tok.add_eos_token is bool(add_eos)
+    for text in ("Hello there, fox.", "Key-value caches, 1234 blocks?" + EOS, ""):
+        ids = tok.encode(text)
+        assert ids == gguf_ref.encode(text)
+        assert ids == [bos] * add_bos + plain.encode(text, add_special_tokens=False) + [eos] * bool(add_eos)
+    for messages in CHATS:
+        assert tok.encode_chat(messages) == [bos] * add_bos + reference_ids(plain, messages)
+        assert tok.encode_chat(messages)[-1] != eos

@@ -147,6 +147,11 @@ def test_a_chat_template_that_fails_is_one_line_from_the_cli(tmp_path, capsys, m
             {"raw_kv": {"tokenizer.ggml.add_bos_token": "false"}},
             "tokenizer.ggml.add_bos_token must be true or false, got 'false'",
         ),
+        (
+            {"raw_kv": {"tokenizer.ggml.add_eos_token": "yes"}},
+            "tokenizer.ggml.add_eos_token must be true or false, got 'yes'",
+        ),
+        ({"raw_kv": {"tokenizer.ggml.add_eos_token": 1}}, "tokenizer.ggml.add_eos_token must be true or false, got 1"),
         # int() read 1.5 as 1, and "two" in its own words, without the key
         ({"raw_kv": {"tokenizer.ggml.bos_token_id": 1.5}}, "tokenizer.ggml.bos_token_id must be a token id (an"),
         ({"raw_kv": {"tokenizer.ggml.eos_token_id": "two"}}, "tokenizer.ggml.eos_token_id must be a token id (an"),

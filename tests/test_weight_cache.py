@@ -77,6 +77,16 @@ def test_an_entry_keeps_the_rope_scaling(tmp_path):
     assert cache.load(key)[0] == meta
 
 
+def test_an_entry_keeps_add_eos_token(tmp_path):
+    """A GGUF's tokenizer.ggml.add_eos_token comes back from the entry: a start from the cache
+    ends raw prompts with the EOS as a start from the GGUF does."""
+    meta = dataclasses.replace(META_DATA, tokenizer=dataclasses.replace(TOKENIZER, add_eos_token=True))
+    cache = WeightCache(tmp_path)
+    key = entry_key(meta.digest, torch.float32)
+    cache.store(key, meta, tensors())
+    assert cache.load(key)[0].tokenizer.add_eos_token is True
+
+
 def test_the_safetensors_files_agree_with_the_library(tmp_path):
     """Ours are written streaming and read as views of a mapping; the safetensors library
     reads what we write, and we read what it writes, every dtype we store, empty tensors too."""

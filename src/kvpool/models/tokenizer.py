@@ -174,7 +174,9 @@ class ChatTokenizer:
         """The ids of a rendered chat template (render_chat's text). An HF directory's: without
         the post-processor, as apply_chat_template (the template writes its own special tokens).
         A GGUF's: with add_bos_token's BOS unless the text already starts with it (Llama 3's
-        template writes `{{ bos_token }}`; llama.cpp does not double it either)."""
+        template writes `{{ bos_token }}`; llama.cpp does not double it either), and without
+        add_eos_token's EOS (transformers' apply_chat_template adds none: the model continues
+        the generation prompt, which an EOS would close)."""
         _check_text(text)
         ids = self._ids(text, False)
         if self.post_process:
@@ -354,4 +356,5 @@ def build_tokenizer(data: TokenizerData) -> ChatTokenizer:
         template_vars=chat_template_vars(
             {"bos_token": text_of(data.bos_token_id), "eos_token": text_of(data.eos_token_id)}
         ),
+        add_eos_token=data.add_eos_token,
     )
