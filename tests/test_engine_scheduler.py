@@ -9,6 +9,7 @@ import functools
 import gc
 import operator
 import random
+import signal
 from collections.abc import Sequence
 
 import pytest
@@ -1315,3 +1316,64 @@ def test_a_requests_samples_count_against_max_num_seqs(kind):
     outs, rows = _run_capped(kind, 4)
     assert max(rows) == 4  # (at the cap, never past it)
     assert outs == twin
+
+
+def _recompute_release_run(kind: str, fault: str | None, aborted: bool) -> tuple[dict, list]:
+    """A request "a" (5 prompt tokens) steps once on the tiny `kind` engine; then either a step
+    whose forward raises (`fault` "raise": the release of "a" to recompute it raises in its
+    cache's first group; "interrupt": Ctrl-C lands in that release, which completes) or, fault
+    None, nothing; then "a" is aborted (`aborted`) and a new request reuses its id, or "a" runs
+    on. Every request runs to its end. The cache's stats and the completions' tokens."""
+    runner = _faulty_step_runner(kind)
+    engine = _twin_engine(runner, 256, 16, True, True)
+    cache, params = runner.cache, SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request([1, 2, 3, 4, 5], params, request_id="a")
+    engine.step()
+    if fault is not None:
+        execute, group = runner.execute, cache._group_list[0]
+        release = group.release
+
+        def faulty_execute(chunks):
+            raise RuntimeError("injected forward fault")
+
+        def faulty_release(state):
+            if fault == "interrupt":
+                signal.raise_signal(signal.SIGINT)
+                release(state)
+            else:
+                raise RuntimeError("injected release fault")
+
+        runner.execute, group.release = faulty_execute, faulty_release
+        with pytest.raises((RuntimeError, KeyboardInterrupt)):
+            engine.step()
+        runner.execute = execute
+        del group.release
+        runner.check_integrity()
+    tokens = []
+    if aborted:
+        engine.abort("a")
+        tokens.append(engine.pop_output("a").completions[0].token_ids)
+        engine.add_request([1, 2, 3, 4, 5], params, request_id="a")
+    while engine.has_unfinished():
+        engine.step()
+        runner.check_integrity()
+    tokens.append(engine.output("a").completions[0].token_ids)
+    assert not cache._recomputing
+    return dict(vars(cache.stats)), tokens
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "v4"])
+@pytest.mark.parametrize("aborted", [False, True], ids=["runs_on", "aborted"])
+@pytest.mark.parametrize("fault", ["raise", "interrupt"])
+def test_a_recompute_release_that_raised_then_an_abort_leaves_exact_prefix_stats(kind, aborted, fault):
+    # A step's fault releases "a" to recompute it (exact steps: the hybrid's, V4's), and that
+    # release raises (or Ctrl-C lands in it). Run on, "a" counts once, as without the fault.
+    # Aborted instead, its pending release was repeated as the abort's one call: the cache
+    # kept "a/0" marked to recompute, and a new request reusing the id counted nothing
+    # (1 request, 5 tokens; without the fault 2, 10). The abort's release now follows the
+    # repeat, as it follows a completed one, and the stats are the fault-free run's.
+    stats, tokens = _recompute_release_run(kind, fault, aborted)
+    twin_stats, twin_tokens = _recompute_release_run(kind, None, aborted)
+    assert stats == twin_stats
+    assert (stats["num_requests"], stats["num_queried_tokens"]) == ((2, 10) if aborted else (1, 5))
+    assert tokens[-1] == twin_tokens[-1]

@@ -813,6 +813,44 @@ def test_the_repeat_of_a_recompute_release_ctrl_c_cut_short_keeps_the_recompute_
 
 
 @pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("aborted", [False, True], ids=["repeated", "aborted"])
+def test_a_recompute_release_that_raised_marks_the_request_when_it_completes(which, aborted) -> None:
+    """A release of a request marked `will_recompute` raises in each group in turn. It was
+    marked to recompute at once, while still admitted: check_integrity failed ("a request
+    marked to recompute is admitted"). The mark now follows the release that completes (the
+    engine's repeat): admitted again, the request counts nothing (1 request, 13 tokens). An
+    abort in between is one more release after the repeat (the engine's, as for a request
+    that waits released; test_engine_scheduler's test of it): it drops the mark, and a new
+    request reusing the id counts (2 requests, 26 tokens)."""
+    for k in range(len(_release_managers()[which].groups)):
+        m = _release_managers()[which]
+        prefill(m, "a", list(range(13)))
+        g = m._group_list[k]
+
+        def boom(state, g=g):
+            raise _Boom(g.name)
+
+        g.release = boom
+        m.will_recompute("a")
+        with pytest.raises(_Boom):
+            m.release("a", "cancel")
+        del g.release
+        assert "a" in m and "a" not in m._recomputing
+        m.check_integrity()
+        assert m.release("a", "cancel") is True and "a" in m._recomputing  # (the engine's repeat)
+        if aborted:
+            assert m.release("a", "cancel") is False and "a" not in m._recomputing
+        m.check_integrity()
+        prefill(m, "a", list(range(13)))
+        m.check_integrity()
+        s = m.stats
+        counts = (s.num_requests, s.num_queried_tokens, s.num_readmissions, s.num_readmitted_hit_tokens)
+        assert counts == ((2, 26, 0, 0) if aborted else (1, 13, 0, 0)), (k, counts)
+        assert s.num_hit_tokens == (12 if aborted else 0), k  # (the first's 3 full blocks, when counted)
+        assert not m._recomputing
+
+
+@pytest.mark.parametrize("which", [0, 1])
 def test_a_preempt_release_that_raised_then_repeated_as_a_cancel_drops_the_preempt_mark(which) -> None:
     """A "preempt" release raises in each group in turn; the request is then aborted, and
     the engine repeats the release as a "cancel": the marks follow the repeat (the release

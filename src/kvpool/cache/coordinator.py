@@ -1443,11 +1443,11 @@ class HybridCacheManager:
         for a request not admitted."""
         self._requests[request_id].recompute = True
 
-    def _uncount_admission(self, req: _Request) -> None:
-        """The request's admission as if never counted (`give_up_admission`)."""
-        if req.uncounted:  # (it counted nothing: its next admission counts nothing either)
-            self._recomputing.add(req.request_id)
-            return
+    def _uncount_admission(self, req: _Request) -> bool:
+        """The request's admission as if never counted (`give_up_admission`). True where its
+        next admission counts nothing: this one counted nothing (its release marks it to recompute)."""
+        if req.uncounted:
+            return True
         stats, (queried, hits, loaded) = self.stats, req.counted
         stats.num_lower_tier_hit_tokens -= loaded
         if req.readmitted:
@@ -1458,6 +1458,7 @@ class HybridCacheManager:
             stats.num_requests -= 1
             stats.num_queried_tokens -= queried
             stats.num_hit_tokens -= hits
+        return False
 
     def _step_requests(
         self,
@@ -2153,10 +2154,8 @@ class HybridCacheManager:
                     if reason != "preempt":
                         self._preempted.discard(request_id)
                     self._recomputing.discard(request_id)
-                    if req.given_up:
-                        self._uncount_admission(req)
-                    elif req.recompute:
-                        self._recomputing.add(request_id)
+                    if req.given_up:  # (the mark itself waits for the release's end, below)
+                        req.recompute = self._uncount_admission(req)
                     if reason == "preempt":
                         self._preempted.add(request_id)
                     elif reason == "finish" and self.turn_end_checkpoints and req.end == req.num_computed:
@@ -2172,6 +2171,10 @@ class HybridCacheManager:
                     g = groups[req.num_released]
                     g.release(states[g.name])
                     req.num_released += 1
+                # marked to recompute once the release completes, never while admitted (marked
+                # at its start, a group's release that raised left an admitted request marked)
+                if req.recompute:
+                    self._recomputing.add(request_id)
                 self._pop_request(request_id)
         except KeyboardInterrupt:
             if request_id not in self._requests:  # (done, the interrupt raised after it)

@@ -395,6 +395,11 @@ class Engine:
         # again before the next step schedules anything (the runner's release is once only:
         # a repeat of one that ran is False), so no sequence is half gone and no block leaks.
         self._unreleased: dict[str, ReleaseReason] = {}
+        # Sequences finished (aborted) while their release waited there (a preemption's, a
+        # fault's recompute: it raised): the finish's own release follows it, as it follows
+        # the completed release of a sequence that waits, so that the cache drops the marks
+        # the first one set (preempted, to recompute); one call in place of two kept them
+        self._release_again: set[str] = set()
         # the ids of requests a step finished whose releases raised: the next step reports
         # them (each request reported once)
         self._unreported: list[str] = []
@@ -754,6 +759,8 @@ class Engine:
         waits in `_unreleased` for the caller's `_release_pending`."""
         seq.finish_reason = reason
         # Also for a sequence that waits (preempted): the runner forgets it, holding nothing.
+        if seq.seq_id in self._unreleased:  # (its release raised and waits: this one follows it)
+            self._release_again.add(seq.seq_id)
         self._unreleased[seq.seq_id] = "cancel" if reason == "abort" else "finish"
         seq.in_runner = False
         # (one scan of the running list, not a membership test and then the removal's own: a
@@ -768,11 +775,14 @@ class Engine:
         """The runner releases each sequence listed in `_unreleased`, in order, each struck
         off once its release returned. One that raises stays listed (and those after it): the
         next step begins with them (`_step`)."""
-        unreleased = self._unreleased
+        unreleased, again = self._unreleased, self._release_again
         release = self.runner.release
         while unreleased:
             seq_id = next(iter(unreleased))
             release(seq_id, unreleased[seq_id])
+            if again and seq_id in again:  # (a finish's release after it: listed first still, done next)
+                again.discard(seq_id)
+                continue
             del unreleased[seq_id]
 
     def _report(self, finished: list[str]) -> list[str]:
