@@ -135,6 +135,39 @@ def test_a_missing_or_malformed_tokenizer_file_is_one_line_naming_it(tmp_path, c
     assert match in err and name in err, err
 
 
+@pytest.mark.parametrize("spm", [False, True], ids=["none", "tokenizer_model"])
+def test_a_directory_without_tokenizer_json_is_refused_text_in_one_line_naming_what_runs(tmp_path, capsys, spm):
+    """An HF directory with no tokenizer.json (none at all, or SentencePiece's tokenizer.model
+    alone): every text entry point refuses it in one line naming the missing file, the
+    tokenizer.model it does not read, and what runs without it (`kvpool run` on token ids:
+    test_hf_qwen2's test_kvpool_run_serves_an_hf_directory_with_its_weights). The line named
+    the file alone; serve refused it after binding its port."""
+    path = _qwen2_dir(tmp_path / "m")
+    (path / "tokenizer.json").unlink()
+    if spm:
+        (path / "tokenizer.model").write_bytes(b"\n\x00")  # (its bytes are never read)
+    want = f"{path}/tokenizer.json: no such file; kvpool reads an HF model's text through its tokenizer.json"
+    runs = f"; without one, `kvpool run --model {path}` runs the model on token ids"
+    unread = " (its tokenizer.model, SentencePiece's own file, is not read: transformers' save_pretrained of"
+    for argv in (
+        ["generate", "hi", "--model", str(path), "--max-tokens", "2"],
+        ["serve", "--model", str(path) + "/", "--port", "0"],
+        ["eval", "kv-quant", "--model", str(path)],
+        ["bench", "engine", "--model", str(path)],
+    ):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        line = err.splitlines()[-1]  # (bench engine says it loads first; serve no longer does)
+        assert line.startswith(f"kvpool {' '.join(argv[:2]) if argv[0] in ('eval', 'bench') else argv[0]}: error: ")
+        assert want in line and line.endswith(runs) and (unread in line) == spm, line
+        assert argv[0] != "serve" or len(err.splitlines()) == 1, err
+    with pytest.raises(ValueError) as e:
+        kvpool.LLM(str(path))
+    assert want in str(e.value) and str(e.value).endswith(runs) and (unread in str(e.value)) == spm
+
+
 def test_a_template_error_names_the_file_that_held_the_template(tmp_path):
     path = _qwen2_dir(tmp_path / "m")
     (path / "chat_template.jinja").unlink()

@@ -143,13 +143,16 @@ def run(args: argparse.Namespace) -> int:
     max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
     kv_bytes = parse_bytes(args.kv_memory)
     check_engine_flags(args)  # (llama_engine reads --preemption, --kv-cache-dtype and the tier flags)
-    from kvpool.models.hf_tokenizer import is_hf_directory
+    from kvpool.engine.build import missing_tokenizer
+    from kvpool.models.hf_tokenizer import has_hf_tokenizer, is_hf_directory
 
     gguf = gguf_path(args.model)
     if gguf is not None and not os.path.isfile(gguf) and not is_hf_directory(gguf):
         raise FileNotFoundError(
             f"--model {gguf!r}: no such GGUF file nor HF model directory (with a config.json) (or give {DEFAULT_MODEL})"
         )
+    if gguf is not None and is_hf_directory(gguf) and not has_hf_tokenizer(gguf):  # (before the port is bound)
+        raise ValueError(missing_tokenizer(os.path.normpath(gguf)))
     name = args.served_model_name or served_name(gguf)
     sock = _bind(args.host, args.port)
     try:
