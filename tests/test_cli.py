@@ -14,7 +14,9 @@ def test_cli_reports_a_callers_mistake_in_one_line(capsys):
     assert "Traceback" not in err
     # a bench's errors name the bench
     assert main(["bench", "engine", "--model", "tiny-dsv4"]) == 2
-    assert capsys.readouterr().err.startswith("kvpool bench engine: error: bench engine runs a Llama GGUF")
+    assert capsys.readouterr().err.startswith(
+        "kvpool bench engine: error: bench engine runs smollm2-135m, a Llama GGUF or an HF model directory; "
+    )
 
 
 def test_kvpools_own_warning_is_one_line_naming_the_command(monkeypatch, capsys):
@@ -52,8 +54,8 @@ def test_a_tiny_model_a_command_does_not_run_is_named(capsys):
             name = " ".join(command[:2]) if command[0] != "generate" else "generate"
             assert capsys.readouterr().err == (
                 f"kvpool {name}: error: --model {model} is a built-in tiny hybrid model with no tokenizer; this "
-                "command runs smollm2-135m or a Llama-architecture GGUF file (kvpool run runs tiny-gemma2 and "
-                "tiny-recurrent)\n"
+                "command runs smollm2-135m, a Llama-architecture GGUF file or an HF model directory (a folder with "
+                "a config.json) (kvpool run runs tiny-gemma2 and tiny-recurrent)\n"
             )
 
 

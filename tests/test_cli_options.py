@@ -205,8 +205,8 @@ def test_model_names_resolve_alike(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(argparse.ArgumentTypeError) as caught:
             engine_model(typo)
         assert str(caught.value) == (
-            f"unknown model {typo!r}{near}: the engine runs smollm2-135m, tiny-dsv4, tiny-gemma2, tiny-recurrent "
-            "or a GGUF file (a path ending in .gguf)"
+            f"unknown model {typo!r}{near}: the engine runs smollm2-135m, tiny-dsv4, tiny-gemma2, tiny-recurrent, "
+            "a GGUF file (a path ending in .gguf) or an HF model directory (a folder with a config.json)"
         )
     assert engine_model("missing.gguf") == "missing.gguf"  # a file name: the loader says it is not found
     for command in ("generate", "run", "serve", "bench engine", "bench start"):
@@ -219,6 +219,33 @@ def test_model_names_resolve_alike(capsys: pytest.CaptureFixture[str]) -> None:
         assert main(["plan", "--model", model, "--gpu", gpu, "-tp", "1", "--max-model-len", "8192", "--json"]) == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1]
+
+
+def test_a_model_the_engine_cannot_run_is_told_an_hf_directory_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The engine's commands take an HF model directory beside a GGUF file, but their errors
+    for a mistyped name, a planner preset, a built-in model without a tokenizer (serve) named
+    GGUF files alone: a user whose directory's name was mistyped was told only a GGUF runs."""
+    hf = "an HF model directory (a folder with a config.json)"
+    cases = [
+        (["generate", "hi", "--model", "qwen2-dir"], f"a GGUF file (a path ending in .gguf) or {hf}"),
+        (["run", "--model", "llama-3.1-8b"], f"a Llama-architecture GGUF file or {hf} (plan and simulate take"),
+        (
+            ["serve", "--model", "qwen2-dir"],
+            f"this command runs smollm2-135m, a GGUF file (a path ending in .gguf) or {hf}",
+        ),
+        (
+            ["serve", "--model", "tiny-gemma2"],
+            "a Llama-architecture GGUF file or an HF model directory with a tokenizer.json",
+        ),
+    ]
+    for argv, words in cases:
+        try:
+            status = main(argv)
+        except SystemExit as stop:  # (a bad --model is the parser's error)
+            status = stop.code
+        assert status == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, (argv, err)
 
 
 def test_gpu_memory_utilization_plans_in_that_share(capsys: pytest.CaptureFixture[str]) -> None:

@@ -208,7 +208,7 @@ def test_serves_help_names_only_what_serve_takes(capsys):
 
 def test_serves_unknown_model_lists_only_what_serve_runs(capsys):
     line = _error(capsys, ["serve", "--model", "smollm"])
-    assert "did you mean smollm2-135m?" in line and "runs smollm2-135m or a GGUF file" in line, line
+    assert "did you mean smollm2-135m?" in line and "runs smollm2-135m, a GGUF file" in line, line
     assert "tiny-" not in line, line
     assert "tiny-" not in _error(capsys, ["serve", "--model", "llama-3.1-8b"])  # a planner preset
     # the tiny models are refused by name, and generate, which runs them, lists them

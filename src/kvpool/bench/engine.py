@@ -46,7 +46,10 @@ def measure(
     from kvpool.engine.memory import check_fits
 
     if model == "tiny-dsv4":
-        raise ValueError("bench engine runs a Llama GGUF; the tiny V4 model is benchmarked by kvpool bench dsv4")
+        raise ValueError(
+            "bench engine runs smollm2-135m, a Llama GGUF or an HF model directory; the tiny V4 model is "
+            "benchmarked by kvpool bench dsv4"
+        )
     parts = set(parts)
     if parts - set(PARTS):
         raise ValueError(f"unknown parts {sorted(parts - set(PARTS))}; from {','.join(PARTS)}")

@@ -341,6 +341,11 @@ def add_option(
 # ---- model names ------------------------------------------------------------------------
 
 
+# what the engine's commands take besides a built-in name and a GGUF file, as their errors name it
+# (they named GGUF files alone: a mistyped directory's name was told only a GGUF runs)
+HF_DIRECTORY = "an HF model directory (a folder with a config.json)"
+
+
 def engine_model(text: str, runs: tuple[str, ...] = ENGINE_MODELS) -> str:
     """A --model of the engine's commands: a name of ENGINE_MODELS (any case), else a path
     to a GGUF file (checked when it loads: the loader's message says what is wrong with it).
@@ -356,8 +361,8 @@ def engine_model(text: str, runs: tuple[str, ...] = ENGINE_MODELS) -> str:
 
     if name.lower() in PRESET_NAMES and not os.path.exists(name):
         raise argparse.ArgumentTypeError(
-            f"{name!r} is a planner preset (a config, no weights); {who} runs {', '.join(runs)} or "
-            "a Llama-architecture GGUF file (plan and simulate take presets)"
+            f"{name!r} is a planner preset (a config, no weights); {who} runs {', '.join(runs)}, "
+            f"a Llama-architecture GGUF file or {HF_DIRECTORY} (plan and simulate take presets)"
         )
     # a Hugging Face id as vLLM takes it ("HuggingFaceTB/SmolLM2-135M-Instruct"): no file here,
     # and nothing is downloaded; the loader's "GGUF file not found" named no model that runs
@@ -373,7 +378,7 @@ def engine_model(text: str, runs: tuple[str, ...] = ENGINE_MODELS) -> str:
         near = near or difflib.get_close_matches(base, runs, n=1, cutoff=0.5)
         raise argparse.ArgumentTypeError(
             f"unknown model {name!r}" + (f" (did you mean {near[0]}?)" if near else "") + f": {who} runs "
-            f"{', '.join(runs)} or a GGUF file (a path ending in .gguf)"
+            f"{', '.join(runs)}, a GGUF file (a path ending in .gguf) or {HF_DIRECTORY}"
             + ("; no file or folder of that name, and a Hugging Face id is not downloaded" if hf_id else "")
         )
     return name
@@ -385,8 +390,8 @@ def gguf_path(model: str | None) -> str | None:
     here does not run it (it was "GGUF file not found: tiny-gemma2")."""
     if model in ENGINE_MODELS and model not in (DEFAULT_MODEL, "tiny-dsv4"):  # (each command names tiny-dsv4's own)
         raise ValueError(
-            f"--model {model} is a built-in tiny hybrid model with no tokenizer; this command runs {DEFAULT_MODEL} "
-            "or a Llama-architecture GGUF file (kvpool run runs tiny-gemma2 and tiny-recurrent)"
+            f"--model {model} is a built-in tiny hybrid model with no tokenizer; this command runs {DEFAULT_MODEL}, "
+            f"a Llama-architecture GGUF file or {HF_DIRECTORY} (kvpool run runs tiny-gemma2 and tiny-recurrent)"
         )
     return None if model in (None, DEFAULT_MODEL) else model
 
