@@ -129,6 +129,18 @@ def test_plot_path_problems_are_one_line_errors(
     assert not target.exists()
 
 
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_plot_path_is_refused_not_dropped(capsys: pytest.CaptureFixture[str], value: str) -> None:
+    """`--plot "$OUT"` with OUT unset: plan read "" as no --plot and printed the plan without
+    the figure or a word (simulate refuses it); eval kv-quant said "--plot : no file extension"."""
+    for argv in (["plan", "--model", "llama-3.1-8b"], ["plan"], ["eval", "kv-quant"]):
+        assert main([*argv, "--plot", value]) == 2, argv
+        captured = capsys.readouterr()
+        name = " ".join(argv[:2]) if argv[0] == "eval" else "plan"
+        assert captured.err == f"kvpool {name}: error: --plot: an empty path ({value!r})\n", argv
+        assert captured.out == ""
+
+
 def test_a_kv_format_a_plotted_preset_cannot_take_names_the_flags(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -189,6 +189,8 @@ def check_plot_path(path: str) -> None:
     directory must exist: save_figure makes none."""
     from kvpool.sim.plots import check_plot_format
 
+    if not path.strip():  # (plan read "" as no --plot and drew nothing; eval said "--plot : no file extension")
+        raise ValueError(f"--plot: an empty path ({path!r})")
     if os.path.isdir(path):
         raise ValueError(f"--plot {path} is a directory; give a file name, e.g. {os.path.join(path, 'kv.png')}")
     check_plot_format("--plot", path)

@@ -227,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
         # flags that shape only another flag's output: alone they were dropped without a word
         if args.prompt_len is not None and args.pd is None:
             raise ValueError("--prompt-len sizes the prefill side of --pd P,D; give --pd too")
+        if args.plot is not None and not args.plot.strip():
+            check_plot_path(args.plot)  # (an empty path read as no --plot: nothing drawn, without a word)
         if args.plot_models is not None and not args.plot:
             raise ValueError("--plot-models picks the presets of --plot FILE; give --plot too")
         if args.max_model_len is not None and args.max_model_len >= _MAX_CONTEXT:
