@@ -248,6 +248,23 @@ def test_a_model_the_engine_cannot_run_is_told_an_hf_directory_runs(capsys: pyte
         assert err.count("\n") == 1 and words in err, (argv, err)
 
 
+def test_an_api_key_file_that_is_not_utf8_is_named_as_the_other_text_files_are(tmp_path: Path) -> None:
+    """serve's --api-key-file of other bytes said Python's words ("'utf-8' codec can't decode
+    byte 0xff in position 0: invalid start byte"); --text, a config.json say "is not UTF-8 text"."""
+    from kvpool.cli.serve import api_keys_from
+
+    path = tmp_path / "keys"
+    path.write_bytes(b"key-1\n\xff\xfekey-2\n")
+    args = argparse.Namespace(api_key=None, api_key_file=str(path))
+    with pytest.raises(ValueError) as e:
+        api_keys_from(args)
+    assert str(e.value) == f"--api-key-file {str(path)!r} is not UTF-8 text (invalid start byte at byte 6)"
+    args.api_key_file = str(tmp_path)
+    with pytest.raises(ValueError) as e:
+        api_keys_from(args)
+    assert str(e.value) == f"--api-key-file {str(tmp_path)!r}: Is a directory"
+
+
 def test_gpu_memory_utilization_plans_in_that_share(capsys: pytest.CaptureFixture[str]) -> None:
     """Half of an H200 plans exactly as a GPU of half its memory (--memory-gib), an
     independent route to the same capacity."""

@@ -451,6 +451,23 @@ def test_a_trace_that_starts_with_a_byte_order_mark_loads(tmp_path):
         load_trace(marked, VOCAB)
 
 
+@pytest.mark.parametrize("bom", [b"", b"\xef\xbb\xbf"], ids=["plain", "bom"])
+def test_a_trace_of_other_bytes_names_the_byte_and_line(tmp_path, bom):
+    """A trace with a byte that is not UTF-8 said Python's words ("cannot read the trace
+    ('utf-8' codec can't decode byte 0xff in position 14: invalid start byte)"), no line; a
+    directory "[Errno 21] Is a directory: '...'" after the path again."""
+    plain = write_trace(tmp_path, GOOD)
+    path = tmp_path / "bytes.jsonl"
+    head = bom + plain.read_bytes()
+    path.write_bytes(head + b"\xff\n")
+    with pytest.raises(ValueError) as e:
+        load_trace(path, VOCAB)
+    assert str(e.value) == f"{path}: the trace is not UTF-8 text (invalid start byte at byte {len(head)}, line 2)"
+    with pytest.raises(ValueError) as e:
+        load_trace(tmp_path, VOCAB)
+    assert str(e.value) == f"{tmp_path}: cannot read the trace (Is a directory)"
+
+
 def test_trace_arrivals_up_to_2_to_the_33_seconds(tmp_path):
     """Unix epoch seconds load as they are; the last float below 2^33 s is the latest arrival."""
     below = math.nextafter(2.0**33, 0)

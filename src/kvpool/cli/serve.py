@@ -177,9 +177,12 @@ def api_keys_from(args: argparse.Namespace) -> dict[str, str | None]:
         try:
             with open(args.api_key_file, encoding="utf-8") as f:
                 lines = f.read().splitlines()
-        except (OSError, UnicodeDecodeError) as error:
-            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-            raise ValueError(f"--api-key-file {args.api_key_file!r}: {reason}") from None
+        except UnicodeDecodeError as e:  # (it read "'utf-8' codec can't decode byte 0xff in position 0: ...")
+            raise ValueError(
+                f"--api-key-file {args.api_key_file!r} is not UTF-8 text ({e.reason} at byte {e.start})"
+            ) from None
+        except OSError as error:
+            raise ValueError(f"--api-key-file {args.api_key_file!r}: {error.strerror or error}") from None
         for number, line in enumerate(lines, 1):
             line = line.strip()
             if line and not line.startswith("#"):

@@ -59,11 +59,16 @@ def load_trace(path: str | os.PathLike[str], vocab_size: int, *, block_size: int
     try:
         # (utf-8-sig: a leading byte-order mark, which Windows editors write and JSON readers
         # may ignore (RFC 8259 section 8.1), is dropped; it made line 1 "not JSON")
-        text = Path(path).read_text(encoding="utf-8-sig")
+        raw = Path(path).read_bytes()
+        text = raw.decode("utf-8-sig")
     except FileNotFoundError:
         raise ValueError(f"{path}: no such trace file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot read the trace ({e})") from None
+    except UnicodeDecodeError as e:  # (it said Python's "'utf-8' codec can't decode byte 0xff in position 14")
+        start = e.start + 3 * raw.startswith(b"\xef\xbb\xbf")  # (utf-8-sig counts past its mark)
+        line = raw.count(b"\n", 0, start) + 1
+        raise ValueError(f"{path}: the trace is not UTF-8 text ({e.reason} at byte {start}, line {line})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the trace ({e.strerror or e})") from None
 
     lines: list[_Line] = []
     # (split at "\n" only: str.splitlines also cuts at U+2028, U+0085, \x0b, \x0c..., which
