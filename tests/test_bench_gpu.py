@@ -218,6 +218,29 @@ def test_a_flag_for_parts_not_run_is_refused_before_any_part_runs(capsys, monkey
     assert [r["parts"] for r in ran] == [("host", "engine"), ("host",)]
 
 
+def test_a_bad_model_is_refused_before_any_part_runs(capsys, monkeypatch, tmp_path):
+    """--model was read by the engine part, after the host and attention parts had run (seconds
+    on the CPU, minutes on a GPU) and printed their progress; "" ran the default model."""
+    from kvpool.cli import bench_gpu
+
+    ran = []
+    monkeypatch.setattr(bench_gpu, "measure", lambda **kwargs: ran.append(kwargs))
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff\xfe")
+    for model, needle in (
+        ("no-such-preset", "--model 'no-such-preset': no such config.json, nor a preset ("),
+        (str(bad), f"{bad}: not JSON (not UTF-8 text: byte 0xff at 0)"),
+        (str(tmp_path), f"{tmp_path / 'config.json'}: no such config.json"),
+        ("", "--model: an empty name (''); give a preset or a config.json"),
+        (" ", "--model: an empty name (' '); give a preset or a config.json"),
+    ):
+        assert main(["bench", "gpu", "--model", model]) == 2, model
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"kvpool bench gpu: error: {needle}"), captured.err
+        assert captured.err.count("\n") == 1 and captured.out == ""
+    assert ran == []
+
+
 def test_the_attention_figures_time_the_attention_over_a_plan_made_before(monkeypatch):
     from kvpool.bench import gpu
 

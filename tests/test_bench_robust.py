@@ -131,6 +131,20 @@ def test_bench_start_prompt_beginning_with_a_dash(monkeypatch):
             assert args.json == ("--json" in argv)
 
 
+@pytest.mark.parametrize("prompt", ["", "  "])
+def test_bench_start_refuses_an_empty_prompt_before_it_starts(monkeypatch, capsys, prompt):
+    """An empty --prompt started the first cold start, whose `kvpool generate` refused it, and
+    bench start said "kvpool generate --max-tokens 1 --json --  exited 2: kvpool generate:
+    error: argument prompt: the prompt is empty": now its own parser refuses it, no start."""
+    import kvpool.bench.start as start
+
+    monkeypatch.setattr(start, "_start", lambda argv, env: pytest.fail(f"started {argv}"))
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "start", "--prompt", prompt])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "kvpool bench start: error: argument --prompt: the prompt is empty\n"
+
+
 def test_bench_tiers_lengths_name_the_flags():
     """`bench tiers --prefix-len 8160`: the host case's filler (the request's blocks and one
     more) passed SmolLM2's context, told as "prompt of 8208 tokens is too long" after the

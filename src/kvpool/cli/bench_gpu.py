@@ -61,6 +61,12 @@ def check_flags_are_read(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_flags_are_read(args)
+    if args.model is not None:  # before the parts run: the host and attention parts went first (seconds
+        if not args.model.strip():  # to minutes), and "" ran the default model without a word
+            raise ValueError(f"--model: an empty name ({args.model!r}); give a preset or a config.json")
+        from kvpool.bench.gpu_engine import model_config
+
+        model_config(args.model, "cpu")  # (read and checked as the engine and prefill parts read it)
     report = call_with_flags(measure, args, progress=stderr_progress("bench gpu"))
     if printed_json(args, report):
         return 0

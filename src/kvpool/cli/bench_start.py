@@ -11,9 +11,17 @@ from kvpool.cli.bench import call_with_flags, print_table, printed_json, stderr_
 from kvpool.cli.options import add_engine_model_option, gguf_path
 
 
+def _prompt(text: str) -> str:
+    """generate's own check, here before the first start: an empty prompt was refused by each
+    start's `kvpool generate`, its error wrapped in bench start's ("argument prompt: ...")."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the prompt is empty")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=positive_int, default=5, help="warm starts to time")
-    parser.add_argument("--prompt", default="hi", help="the prompt of each start")
+    parser.add_argument("--prompt", type=_prompt, default="hi", help="the prompt of each start")
     add_engine_model_option(parser)
 
 
