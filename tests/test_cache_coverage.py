@@ -1,0 +1,218 @@
+"""Paths of the coordinator and its groups that no narrative reaches: the stats an admission
+given up takes back at its release (`give_up_admission`), the constructor's refusals, the
+hit rule's points off the grid, and the queries on a step (`pending_reservation`, `tables`)
+by ids of other sequence types. Each refusal leaves every group as it was."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kvpool.cache import CacheDescriptor, FullAttentionManager
+from kvpool.cache.coordinator import HybridCacheManager, pack_prompt
+from kvpool.cache.recurrent import RecurrentGroupSpec
+from kvpool.cache.types import NO_RESERVATION, Reservation
+from kvpool.cache.window import AttentionGroupSpec
+
+DESC = CacheDescriptor("tiny-coverage", weights_version="v1")
+
+
+def _stats(m: HybridCacheManager) -> dict:
+    return dataclasses.asdict(m.stats)
+
+
+def _prefill(m: HybridCacheManager, rid: str, tokens: list[int]) -> int:
+    adm = m.admit(rid, tokens)
+    assert adm is not None
+    m.commit(rid, adm.num_scheduled_tokens)
+    m.check_integrity()
+    return adm.num_cached_tokens
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_an_admission_given_up_counts_nothing_and_its_next_admission_counts_once(exact: bool) -> None:
+    # The engine's runner gives an admission up when what follows the cache's part raises
+    # (a tier's load, a state restore), releases it ("cancel") and lets the caller admit it
+    # again: the stats after the second admission are those of one admission
+    if exact:
+        m = HybridCacheManager([(AttentionGroupSpec("a", 4), 16), (RecurrentGroupSpec("r", 4), 6)], DESC)
+    else:
+        m = FullAttentionManager(16, 4, DESC)
+    prompt = list(range(13))
+    _prefill(m, "warm", prompt)
+    m.release("warm")
+    before = _stats(m)
+    assert m.admit("x", prompt) is not None
+    counted = _stats(m)
+    assert counted["num_requests"] == before["num_requests"] + 1 and counted["num_hit_tokens"] == 12
+    m.give_up_admission("x")
+    assert m.release("x", "cancel")
+    m.check_integrity()
+    assert _stats(m) == before
+    assert m.admit("x", prompt) is not None
+    assert _stats(m) == counted
+    m.check_integrity()
+
+
+def test_a_readmission_given_up_stays_marked_preempted() -> None:
+    # A preempted request admitted again and given up: its readmission and its readmitted
+    # hits are taken back, and its next admission is a readmission again (not a new request)
+    m = FullAttentionManager(16, 4, DESC)
+    prompt = list(range(9))
+    _prefill(m, "p", prompt)
+    m.release("p", "preempt")
+    base = _stats(m)
+    assert m.admit("p", prompt) is not None
+    readmitted = _stats(m)
+    assert readmitted["num_readmissions"] == base["num_readmissions"] + 1
+    assert readmitted["num_readmitted_hit_tokens"] == 8 and readmitted["num_requests"] == base["num_requests"]
+    m.give_up_admission("p")
+    assert m.release("p", "cancel")
+    assert _stats(m) == base
+    assert m.admit("p", prompt) is not None
+    assert _stats(m) == readmitted
+    m.check_integrity()
+
+
+def test_a_recompute_admission_given_up_still_counts_nothing() -> None:
+    # A request released to be recomputed (`will_recompute`) counts nothing when admitted
+    # again; given up then, its next admission counts nothing either
+    m = FullAttentionManager(16, 4, DESC)
+    prompt = list(range(9))
+    _prefill(m, "q", prompt)
+    m.will_recompute("q")
+    assert m.release("q", "cancel")
+    counted = _stats(m)
+    assert counted["num_requests"] == 1
+    for _ in range(2):
+        assert m.admit("q", prompt) is not None
+        assert _stats(m) == counted
+        m.give_up_admission("q")
+        assert m.release("q", "cancel")
+        assert _stats(m) == counted
+    assert m.admit("q", prompt) is not None
+    assert _stats(m) == counted
+    m.check_integrity()
+
+
+class _StubGroup:
+    """A group's hit questions answered from sets: the points it serves, its off-grid points
+    (given in any order, repeats included: a group that breaks the protocol's order) and its
+    bound."""
+
+    def __init__(self, served: set[int], extras: list[int], bound: int) -> None:
+        self.served, self.extras, self.bound = served, extras, bound
+
+    def upper_bound(self, found: object) -> int:
+        return self.bound
+
+    def extra_points(self, found: object) -> list[int]:
+        return list(self.extras)
+
+    def serves(self, found: object, point: int) -> bool:
+        return point in self.served
+
+
+def _reference_point(groups: list[_StubGroup], unit: int, num_tokens: int) -> int:
+    """The hit rule by brute force: the largest point in (0, top] on the grid or some group's
+    off-grid point, that every group serves; 0 when none."""
+    top = min([num_tokens - 1] + [g.bound for g in groups])
+    points = {p for p in range(1, top + 1) if p % unit == 0}
+    points |= {p for g in groups for p in g.extras if 0 < p <= top}
+    return max((p for p in points if all(p in g.served for g in groups)), default=0)
+
+
+_points = st.lists(st.integers(1, 40), max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    unit=st.sampled_from([1, 3, 4, 8]),
+    num_tokens=st.integers(1, 40),
+    groups=st.lists(st.tuples(st.sets(st.integers(1, 40)), _points, st.integers(0, 44)), min_size=1, max_size=3),
+)
+@example(unit=4, num_tokens=30, groups=[({6, 4}, [6, 10, 13], 40)])  # off-grid points not served, above and below 8
+@example(unit=4, num_tokens=30, groups=[({2}, [10, 2], 40)])  # out of order; served below the grid's last point
+@example(unit=4, num_tokens=30, groups=[({6}, [6, 10], 40), ({6, 8}, [], 40)])
+def test_hit_point_walks_are_the_largest_point_every_group_serves(unit: int, num_tokens: int, groups: list) -> None:
+    # `hit_point`'s one-group walk and `_hit_point_of_groups`, on groups whose answers are
+    # given (the walks read nothing else of a group), against the rule by brute force
+    m = FullAttentionManager(4, 4, DESC)
+    stubs = [_StubGroup(served, extras, bound) for served, extras, bound in groups]
+    m.hit_granularity = unit
+    if len(stubs) == 1:
+        m._one_group = ("s0", stubs[0])
+    else:
+        m._one_group = None
+        m.groups = {f"s{i}": s for i, s in enumerate(stubs)}
+    hits = {f"s{i}": None for i in range(len(stubs))}
+    assert m.hit_point(hits, num_tokens) == _reference_point(stubs, unit, num_tokens)
+
+
+def test_the_constructor_refuses_what_no_cache_can_be() -> None:
+    attn = AttentionGroupSpec("a", 4)
+    with pytest.raises(ValueError, match="at least one group"):
+        HybridCacheManager([], DESC)
+    with pytest.raises(TypeError, match="descriptor must be a CacheDescriptor, got str"):
+        HybridCacheManager([(attn, 8)], "tiny")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="two groups are named 'a'"):
+        HybridCacheManager([(attn, 8), (AttentionGroupSpec("a", 4), 8)], DESC)
+    with pytest.raises(ValueError, match=r"exact_steps=False needs groups without whole steps, got \['a', 'r'\]"):
+        HybridCacheManager([(attn, 8), (RecurrentGroupSpec("r", 4), 4)], DESC, exact_steps=False)
+
+
+def test_pack_prompt_converts_numpy_ids_to_python_ints() -> None:
+    np = pytest.importorskip("numpy")
+    packed = pack_prompt(np.array([3, 1, 4], dtype=np.int64))
+    assert packed.token_ids == (3, 1, 4) and {type(t) for t in packed.token_ids} == {int}
+    assert pack_prompt([3, 1, 4]).token_ids == (3, 1, 4)
+    m = FullAttentionManager(8, 4, DESC)
+    _prefill(m, "a", [3, 1, 4, 1, 5, 9])
+    assert m.lookup_packed(pack_prompt(np.array([3, 1, 4, 1, 5, 9, 2], dtype=np.int32))) == 4
+
+
+def _frozen(m: HybridCacheManager) -> tuple:
+    """What a refusal must leave as it was: every pool's free counts, each request's counts."""
+    m.check_integrity()
+    pools = tuple((p.num_free, p.num_free_cached) for p in m.pools)
+    reqs = tuple((r, m.num_computed_tokens(r), m.num_reserved_tokens(r), m.token_ids(r)) for r in m.request_ids)
+    return pools, reqs, _stats(m)
+
+
+def test_step_questions_and_their_refusals_on_a_cache_of_blocks() -> None:
+    m = FullAttentionManager(16, 4, DESC)
+    _prefill(m, "a", list(range(6)))
+    _prefill(m, "b", list(range(10, 19)))
+    # block-granular reservations: the rest of a request's last block is reserved, no block new
+    assert m.pending_reservation("a") == Reservation(6, 2, {"full": NO_RESERVATION})
+    assert m.pending_reservation("b") == Reservation(9, 3, {"full": NO_RESERVATION})
+    m.append_token_ids("a", [7])
+    assert m.reserve_step(["a", "b"], [1, 0])
+    assert m.pending_reservation("a") == Reservation(6, 2, {"full": NO_RESERVATION})
+    # the step's tables by other sequences of ids: a part of the step (not kept as the memo),
+    # a tuple, a generator-free sequence type
+    full = m.tables(["a", "b"])
+    assert m.tables(["b"]) == [full[1]] and m.tables(("b", "a")) == [full[1], full[0]]
+    assert m.tables(range(0)) == []  # type: ignore[arg-type]
+    before = _frozen(m)
+    with pytest.raises(KeyError, match="unknown request 'zz'"):
+        m.tables(["a", "zz"])
+    with pytest.raises(KeyError, match="no block-table group 'nope'"):
+        m.block_ids("a", "nope")
+    with pytest.raises(ValueError, match=r"positions \[0, 9\) outside the reserved \[0, 8\)"):
+        m.slot_mapping("a", 0, 9)
+    with pytest.raises(ValueError, match="2 requests but 1 token counts"):
+        m.reserve_step(["a", "b"], [1])
+    with pytest.raises(ValueError, match="2 requests, 1 starts, 2 ends"):
+        m.step_reservations(["a", "b"], [6], [7, 9])
+    with pytest.raises(ValueError, match="a commit of -1 tokens"):
+        m.commit_step(["a", "b"], [-1, 0], [None, None])
+    with pytest.raises(ValueError):
+        m.commit_step(["a", "b"], [1], [None, None])
+    assert m.reserve_step([], [])  # nothing to reserve: done
+    assert _frozen(m) == before
+    m.commit_step(["a", "b"], [1, 0], [None, None])
+    m.check_integrity()
