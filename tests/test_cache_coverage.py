@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvpool.cache import CacheDescriptor, FullAttentionManager
 from kvpool.cache.coordinator import HybridCacheManager, pack_prompt
 from kvpool.cache.recurrent import RecurrentGroupSpec
-from kvpool.cache.types import NO_RESERVATION, Reservation
+from kvpool.cache.types import NO_RESERVATION, BlockCopy, Reservation
 from kvpool.cache.window import AttentionGroupSpec
 
 DESC = CacheDescriptor("tiny-coverage", weights_version="v1")
@@ -216,3 +216,145 @@ def test_step_questions_and_their_refusals_on_a_cache_of_blocks() -> None:
     assert _frozen(m) == before
     m.commit_step(["a", "b"], [1, 0], [None, None])
     m.check_integrity()
+
+
+def _hybrid(**kwargs: object) -> HybridCacheManager:
+    return HybridCacheManager([(AttentionGroupSpec("a", 4), 16), (RecurrentGroupSpec("r", 4), 6)], DESC, **kwargs)
+
+
+def test_a_hybrid_cache_answers_for_its_recurrent_group_too() -> None:
+    # may_reach over both groups (the recurrent group knows no probe: it never rules a
+    # replica out, the attention group does), a part's questions that only one kind of
+    # group has an answer to, and the bytes of both groups' bookkeeping
+    m = _hybrid()
+    prompt = list(range(13))
+    _prefill(m, "a", prompt)
+    follow = pack_prompt(prompt + [99])
+    assert m.lookup_packed(follow) == 12
+    assert m.may_reach(follow, 12) and m.may_reach(follow, 0)
+    other = pack_prompt([5] * 14)
+    assert m.may_reach(other, 4)  # nothing hashed yet: it may
+    assert m.lookup_packed(other) == 0
+    assert not m.may_reach(other, 4)  # its first block's hash is known now, and not cached
+    with pytest.raises(TypeError, match="prompt must be pack_prompt's LookupPrompt, got list"):
+        m.may_reach(prompt, 4)  # type: ignore[arg-type]
+    attn, rec = m.part("a", "a"), m.part("a", "r")
+    assert (
+        attn.state_slot is None and attn.checkpoints == [] and attn.prefix_chain(reserved=True) == attn.prefix_chain()
+    )
+    assert len(attn.prefix_chain()) == 3 and len(rec.prefix_chain()) == 3  # units of 4 below 13, in both
+    assert rec.state_slot is not None
+    bare = _hybrid()
+    assert m.metadata_bytes() > bare.metadata_bytes()
+
+
+def test_a_cache_without_prefix_caching_finds_nothing_in_any_group() -> None:
+    m = _hybrid(enable_prefix_caching=False)
+    prompt = list(range(13))
+    _prefill(m, "a", prompt)
+    m.release("a")
+    assert m.group_hit_points(prompt + [1]) == {"a": [0], "r": [0]}
+    assert m.lookup_prefix(prompt + [1]) == 0
+    m.check_integrity()
+
+
+def test_specs_refuse_what_no_group_can_be() -> None:
+    with pytest.raises(ValueError, match="group 'a': block_size must be positive, got 0"):
+        AttentionGroupSpec("a", 0)
+    with pytest.raises(ValueError, match="group 'w': a lower tier serves full attention only"):
+        HybridCacheManager([(AttentionGroupSpec("w", 4, window=8), 8)], DESC, lower_tier=object())  # type: ignore[arg-type]
+
+
+def test_a_checked_prompt_is_made_by_pack_prompt_only() -> None:
+    import copy
+    import pickle
+
+    from kvpool.cache.types import CheckedPrompt, LookupPrompt
+
+    checked = pack_prompt([1, 2, 3])
+    with pytest.raises(TypeError, match="made only by pack_prompt"):
+        CheckedPrompt(*checked)
+    for other in (CheckedPrompt._make(checked), copy.copy(checked), pickle.loads(pickle.dumps(checked))):
+        assert type(other) is LookupPrompt and tuple(other) == tuple(checked)
+
+
+def _corrupt_states(m: HybridCacheManager) -> None:
+    del m._requests["a"].states["r"]  # (a KeyError from the checker's first reading of it, before the fix)
+
+
+def _corrupt_states_extra(m: HybridCacheManager) -> None:
+    m._requests["a"].states["zz"] = None
+
+
+def _corrupt_first(m: HybridCacheManager) -> None:
+    m._requests["a"].states["a"].first = 1
+
+
+def _corrupt_table(m: HybridCacheManager) -> None:
+    m._requests["a"].states["a"].block_ids.append(15)
+
+
+def _corrupt_snapshot(m: HybridCacheManager) -> None:
+    m.append_token_ids("a", [1, 2, 3])
+    assert m.reserve("a", 3) is not None  # (13, 16]: a snapshot after 16 pending
+    state = m._requests["a"].states["r"]
+    assert [p for p, _ in state.pending] == [16]
+    state.pending[0] = (12, state.pending[0][1])
+
+
+def _corrupt_copies(m: HybridCacheManager) -> None:
+    m.groups["a"]._pending_copies = [BlockCopy(0, 15)]
+
+
+def _corrupt_turn_ends(m: HybridCacheManager) -> None:
+    m.groups["a"]._turn_ends._num_listed += 1
+
+
+def _corrupt_chain(m: HybridCacheManager) -> None:
+    chain = m._requests["a"].states["a"].chain
+    chain[0], chain[1] = chain[1], chain[0]
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (_corrupt_states, r"request 'a' has state in groups \['a'\]"),
+        (_corrupt_states_extra, r"request 'a' has state in groups \['a', 'r', 'zz'\]"),
+        (_corrupt_first, r"window rule: group 'a', request 'a' keeps blocks from 1"),
+        (_corrupt_table, r"invariant 5 .*holds blocks \[0, 5\) for 13 reserved tokens"),
+        (_corrupt_snapshot, r"a snapshot at 12 outside the step \(13, 16\]"),
+        (_corrupt_copies, r"group 'a': a queued copy nobody reads: \[BlockCopy\(src=0, dst=15\)\]"),
+        (_corrupt_turn_ends, r"turn ends: 1 counted, lists \[\]"),
+        (_corrupt_chain, r"invariant 6: .* chain element 0 is not its own prefix"),
+    ],
+)
+def test_check_integrity_finds_each_kind_of_corruption(corrupt, message: str) -> None:
+    # The checker is what the other tests lean on: each invariant it states is false here
+    m = _hybrid()
+    _prefill(m, "a", list(range(13)))
+    _prefill(m, "b", list(range(50, 57)))
+    corrupt(m)
+    with pytest.raises(AssertionError, match=message):
+        m.check_integrity()
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_check_integrity_finds_a_block_of_a_shared_pool_in_two_groups(caching: bool) -> None:
+    # Two attention groups on one pool, a request forked (its blocks held twice each), the
+    # child's first blocks of the two groups swapped: every block's holders still count
+    # right, but one block is in both groups' tables. Caching on, the chains' registration
+    # finds it first; off, the owners' check
+    m = HybridCacheManager(
+        [(AttentionGroupSpec("a", 4), None), (AttentionGroupSpec("w", 4, window=32), None)],
+        DESC,
+        shared_blocks=32,
+        enable_prefix_caching=caching,
+    )
+    _prefill(m, "x", list(range(13)))
+    assert m.fork("x", "y")
+    m.check_integrity()
+    ta, tw = m._requests["y"].states["a"].block_ids, m._requests["y"].states["w"].block_ids
+    ta[0], tw[0] = tw[0], ta[0]
+    message = "registered as other content" if caching else r"shared pool: block \d+ is held by groups 'a' and 'w'"
+    with pytest.raises(AssertionError, match=message):
+        m.check_integrity()

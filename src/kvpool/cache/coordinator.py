@@ -2247,6 +2247,8 @@ class HybridCacheManager:
         assert self._loading == loading, f"requests loading {sorted(loading)}, noted {sorted(self._loading)}"
         holders = {pool: [0] * pool.num_blocks for pool in self._pools}
         for rid, req in self._requests.items():
+            if set(req.states) != set(self.groups):
+                raise AssertionError(f"request {rid!r} has state in groups {sorted(req.states)}")
             known = len(req.token_ids)
             num_loading = sum(len(g.loads(req.states[name])) * g.granularity for name, g in self.groups.items())
             assert req.releasing or req.num_loading == num_loading, (
@@ -2262,8 +2264,6 @@ class HybridCacheManager:
                     f"invariant 6 (no uninitialized read): request {rid!r} counts {req.num_computed} "
                     f"computed tokens but knows only {known}"
                 )
-            if set(req.states) != set(self.groups):
-                raise AssertionError(f"request {rid!r} has state in groups {sorted(req.states)}")
             assert req.releasing or not req.num_released, f"request {rid!r}: groups released, no release under way"
             # (a release that raised: the groups before `num_released` hold nothing of it)
             for g in self._group_list[req.num_released :]:
