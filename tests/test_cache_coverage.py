@@ -358,3 +358,21 @@ def test_check_integrity_finds_a_block_of_a_shared_pool_in_two_groups(caching: b
     message = "registered as other content" if caching else r"shared pool: block \d+ is held by groups 'a' and 'w'"
     with pytest.raises(AssertionError, match=message):
         m.check_integrity()
+
+
+def test_a_group_whose_decode_period_is_not_its_commit_period_is_refused() -> None:
+    # The decode-step memo's rows on the decode period are taken as its commit's changed
+    # rows: every group with a decode period (the dual pool's span) commits on it
+    from kvpool.cache.dual_pool import DualPoolGroupSpec
+
+    class OddSpec:
+        name = "v4"
+
+        def build(self, size: object, **kwargs: object) -> object:
+            group = DualPoolGroupSpec("v4", 4).build(size, **kwargs)
+            group.decode_reserve_period = 8
+            return group
+
+    with pytest.raises(AssertionError, match="a decode period that is not the commit period"):
+        HybridCacheManager([(OddSpec(), (8, 2))], DESC)
+    assert HybridCacheManager([(DualPoolGroupSpec("v4", 4), (8, 2))], DESC)._decode_period == 4

@@ -417,6 +417,9 @@ class HybridCacheManager:
         periods = [g.decode_reserve_period for g in built.values()]
         # their gcd, as `_commit_period`: a multiple of any group's period is one of it
         self._decode_period = None if None in periods else math.gcd(*periods)
+        # (a decode-step memo's rows on the decode period are its commit's: a group with a
+        # decode period commits on it, the dual pool's span)
+        assert self._decode_period in (None, self._commit_period), "a decode period that is not the commit period"
         # Requests admitted, forked or marked at a turn end since their last commit: the
         # decode path's commit does not skip them (a held copy source, a restore to end)
         self._fresh: set[str] = set()
@@ -1811,10 +1814,7 @@ class HybridCacheManager:
                     elif not req.shared:  # (a shared list holds it already)
                         req.token_ids.append(next_token_id)
                 i = len(reqs)
-                if period == self._decode_period:
-                    changed = reserved[2]
-                else:
-                    changed = [req for req, end in zip(reqs, reserved[1], strict=True) if not end % period]
+                changed = reserved[2]  # (the commit period is the decode period: see __init__)
                 # the next step's reserve needs no check of the other rows (see __init__)
                 self._decode_step = (reqs, reserved[1], [], False, None, holes)
             else:
@@ -1893,10 +1893,8 @@ class HybridCacheManager:
                 i = k
                 if ask_fresh:  # (in step order, the memo's fresh requests among them)
                     changed = [req for req in reqs[:k] if not req.num_computed % period or req.request_id in fresh]
-                elif period == self._decode_period:
+                else:  # (the commit period is the decode period: see __init__)
                     changed = reserved[2].copy()  # (the memo's own list: the rows after are appended)
-                else:
-                    changed = [req for req, end in zip(reqs, reserved[1], strict=False) if not end % period]
             rows = (
                 zip(reqs[k:], num_tokens[k:], next_token_ids[k:], strict=True)
                 if k
