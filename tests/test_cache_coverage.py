@@ -376,3 +376,26 @@ def test_a_group_whose_decode_period_is_not_its_commit_period_is_refused() -> No
     with pytest.raises(AssertionError, match="a decode period that is not the commit period"):
         HybridCacheManager([(OddSpec(), (8, 2))], DESC)
     assert HybridCacheManager([(DualPoolGroupSpec("v4", 4), (8, 2))], DESC)._decode_period == 4
+
+
+def test_v4_step_refusals_leave_the_cache_as_it_was() -> None:
+    from kvpool.cache import DSV4CacheManager
+    from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+    from kvpool.spec.dsv4 import DSV4Spec
+
+    m = DSV4CacheManager(DSV4Spec.from_config(SMALL_DSV4_CONFIG), 12, 4, CacheDescriptor("small-dsv4"))
+    for rid, n in (("r0", 10), ("r1", 6)):
+        assert m.admit(rid, list(range(n))) is not None
+        m.commit_step([rid], [n], [1])
+    assert m.pending_reservation("r0") is None  # exact steps: nothing reserved after the commit
+    assert m.reserve_step(["r0", "r1"], [1, 1])
+    assert m.pending_reservation("r1").start == 6
+    before = _frozen(m)
+    with pytest.raises(KeyError, match="unknown request 'zz'"):
+        m.step_reservations(["r0", "zz"], [10, 0], [11, 1])
+    with pytest.raises(ValueError, match="request 'r0' has an uncommitted step; fork after commit"):
+        m.fork("r0", "c")
+    assert _frozen(m) == before
+    m.commit_step(["r0", "r1"], [1, 1], [2, 2])
+    assert m.fork("r0", "c")
+    m.check_integrity()
