@@ -399,3 +399,61 @@ def test_v4_step_refusals_leave_the_cache_as_it_was() -> None:
     m.commit_step(["r0", "r1"], [1, 1], [2, 2])
     assert m.fork("r0", "c")
     m.check_integrity()
+
+
+def _v4_checkpointed() -> HybridCacheManager:
+    """A V4 cache with a checkpoint slot: "a" computed 50 tokens (a checkpoint at 48), "b" 20."""
+    from kvpool.cache import DSV4CacheManager
+    from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+    from kvpool.spec.dsv4 import DSV4Spec
+
+    spec = DSV4Spec.from_config(SMALL_DSV4_CONFIG)
+    m = DSV4CacheManager(spec, 11, 3, CacheDescriptor("small-dsv4"), restore="checkpoint", num_checkpoints=1)
+    for rid, n in (("a", 50), ("b", 20)):
+        adm = m.admit(rid, [(7 * i + len(rid)) % 251 for i in range(n)])
+        assert adm is not None
+        m.commit_step([rid], [adm.num_scheduled_tokens], [1])
+    m.check_integrity()
+    assert len(m.groups["v4"]._checkpoints) == 1
+    return m
+
+
+def _v4_table(m: HybridCacheManager) -> None:
+    m._requests["a"].states["v4"].block_ids.append(10)
+
+
+def _v4_slot_doubled(m: HybridCacheManager) -> None:
+    m._requests["b"].states["v4"].state_slot = m._requests["a"].states["v4"].state_slot
+
+
+def _v4_slot_refcount(m: HybridCacheManager) -> None:
+    g = m.groups["v4"]
+    g.state_pool._refcounts[m._requests["a"].states["v4"].state_slot] = 2
+
+
+def _v4_checkpoint_key(m: HybridCacheManager) -> None:
+    g = m.groups["v4"]
+    g._checkpoints[b"other"] = next(iter(g._checkpoints.values()))
+
+
+def _v4_checkpoint_slot(m: HybridCacheManager) -> None:
+    g = m.groups["v4"]
+    key, ckpt = next(iter(g._checkpoints.items()))
+    g._checkpoints[key] = dataclasses.replace(ckpt, slot=ckpt.slot + 1)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (_v4_table, r"group 'v4', request 'a' holds 4 classical blocks for 50 reserved tokens \(span 16\)"),
+        (_v4_slot_doubled, r"state blocks leaked or doubled: held \[0, 0\], free \[2\]"),
+        (_v4_slot_refcount, r"request 'a''s state block 0 has refcount 2"),
+        (_v4_checkpoint_key, r"checkpoint of 6f74686572 is not 1 parts"),
+        (_v4_checkpoint_slot, r"checkpoint in slot \d+ is filed under another block"),
+    ],
+)
+def test_dual_pool_check_integrity_finds_each_kind_of_corruption(corrupt, message: str) -> None:
+    m = _v4_checkpointed()
+    corrupt(m)
+    with pytest.raises(AssertionError, match=message):
+        m.check_integrity()
