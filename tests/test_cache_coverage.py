@@ -457,3 +457,28 @@ def test_dual_pool_check_integrity_finds_each_kind_of_corruption(corrupt, messag
     corrupt(m)
     with pytest.raises(AssertionError, match=message):
         m.check_integrity()
+
+
+def test_a_v4_cache_without_prefix_caching_finds_and_files_nothing() -> None:
+    from kvpool.cache import DSV4CacheManager
+    from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+    from kvpool.spec.dsv4 import DSV4Spec
+
+    spec = DSV4Spec.from_config(SMALL_DSV4_CONFIG)  # span 16
+    m = DSV4CacheManager(spec, 12, 3, CacheDescriptor("small-dsv4"), enable_prefix_caching=False)
+    prompt = list(range(40))
+    adm = m.admit("a", prompt)
+    assert adm is not None and adm.num_cached_tokens == 0
+    m.commit_step(["a"], [40], [7])
+    for t in range(10):  # decodes across the span boundary at 48
+        assert m.reserve_step(["a"], [1])
+        m.commit_step(["a"], [1], [t])
+        m.check_integrity()
+    assert len(m.block_ids("a")) == 3 and m.part("a").prefix_chain() == []
+    m.release("a")
+    assert m.group_hit_points(prompt + [1]) == {"v4": [0]}
+    assert m.lookup_prefix(prompt + [1]) == 0 and not m.may_reach(pack_prompt(prompt + [1]), 16)
+    assert m.groups["v4"].prefetch_candidates(m.root(), prompt) == ([], [])
+    again = m.admit("b", prompt)
+    assert again is not None and again.num_cached_tokens == 0
+    m.check_integrity()
