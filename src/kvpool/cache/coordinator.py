@@ -1463,20 +1463,10 @@ class HybridCacheManager:
             stats.num_hit_tokens -= hits
         return False
 
-    def _step_requests(
-        self,
-        request_ids: Sequence[str],
-        num_tokens: Sequence[int],
-        next_token_ids: Sequence[int | None] | None = None,
-    ) -> list[_Request]:
-        """A step's requests, in order, once its lists agree in length (`next_token_ids`: a
-        commit's) and name no request twice; ValueError otherwise, KeyError for an unknown id."""
-        if next_token_ids is None and len(request_ids) != len(num_tokens):
-            raise ValueError(f"{len(request_ids)} requests but {len(num_tokens)} token counts")
-        if next_token_ids is not None and not len(request_ids) == len(num_tokens) == len(next_token_ids):
-            raise ValueError(
-                f"{len(request_ids)} requests, {len(num_tokens)} token counts, {len(next_token_ids)} next tokens"
-            )
+    def _step_requests(self, request_ids: Sequence[str]) -> list[_Request]:
+        """A step's requests, in order, once they name no request twice (its lists agree in
+        length: `reserve_step` and `commit_step` checked them first); ValueError otherwise,
+        KeyError for an unknown id."""
         if len(set(request_ids)) != len(request_ids):
             raise ValueError(f"a request appears twice in {list(request_ids)}")
         try:
@@ -1700,14 +1690,14 @@ class HybridCacheManager:
                     self._check_reserve(req, 1)  # raises
                 ends.append(end)
         elif self.exact_steps and num_new_tokens.count(1) == len(request_ids):  # exact steps, all decodes
-            pending, ends = self._step_requests(request_ids, num_new_tokens), []
+            pending, ends = self._step_requests(request_ids), []
             for req in pending:  # one pass: checked (`_check_reserve` names what is wrong), and the ends
                 nc = req.num_computed
                 if req.end != nc or req.num_loading or nc >= len(req.token_ids):
                     self._check_reserve(req, 1)  # raises
                 ends.append(nc + 1)
         else:
-            reqs = self._step_requests(request_ids, num_new_tokens)
+            reqs = self._step_requests(request_ids)
             if not _all_ints(num_new_tokens):  # (the checks below are comparisons, which nan passes)
                 num_new_tokens = _int_counts(num_new_tokens, "a reservation's token count", request_ids)
             if min(num_new_tokens) < 0:
@@ -1977,7 +1967,7 @@ class HybridCacheManager:
         twin of the fast paths, and the contract they trust: a share_ids request's named next
         ids are in the caller's list already (checked here only)."""
         self._decode_step = None  # (the counts move below)
-        reqs = self._step_requests(request_ids, num_tokens, next_token_ids)
+        reqs = self._step_requests(request_ids)
         if not reqs:
             return
         num_tokens = _int_counts(num_tokens, "a commit's token count", request_ids)
