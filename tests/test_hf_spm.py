@@ -27,8 +27,8 @@ import kvpool
 from hf_tiny import SPM_CORPUS, save_spm_tokenizer, spm_tokenizer
 from kvpool.cli.main import main
 from kvpool.models.hf_tokenizer import load_hf_tokenizer
-from kvpool.server.protocol import TokenBound, decoded_bytes, token_text
-from kvpool.server.text_stream import TextStream
+from kvpool.server.protocol import TextOffsets, TokenBound, decoded_bytes, token_text
+from kvpool.server.text_stream import TextStream, ends_inside_a_character
 from test_hf_dir import _hf_greedy
 
 transformers = pytest.importorskip("transformers")
@@ -437,6 +437,17 @@ def test_serve_streams_deltas_that_join_to_the_text_and_transformers_decode(tmp_
         assert completion.usage.prompt_tokens == len(ids)
         streamed = client.completions.create(prompt="Hello world", stream=True, **options)
         assert "".join(c.choices[0].text for c in streamed if c.choices) == completion.choices[0].text
+        # text_offset indexes the text: its first space stripped, not counted (one past it before)
+        scored = client.completions.create(prompt="Hello world", logprobs=1, **options)
+        text, lp = scored.choices[0].text, scored.choices[0].logprobs
+        assert text == completion.choices[0].text and lp.text_offset[0] == 0
+        assert lp.tokens[0].startswith(" ") and not text.startswith(" ")  # (the premise)
+        pieces = [(o, t) for o, t in zip(lp.text_offset, lp.tokens, strict=True) if "\ufffd" not in t]
+        assert all(text[o:].startswith(t) for o, t in pieces[1:]) and len(pieces) > 10, (text, lp)
+        chunks = client.completions.create(prompt="Hello world", logprobs=1, stream=True, **options)
+        assert [
+            o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+        ] == (lp.text_offset)
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
@@ -448,3 +459,88 @@ def test_a_legacy_flag_that_is_no_boolean_is_refused_naming_the_file(tmp_path):
     save_spm_tokenizer(tmp_path / "t", legacy="yes")
     with pytest.raises(ValueError, match=r"t/tokenizer_config\.json: legacy is 'yes', not true or false"):
         load_hf_tokenizer(tmp_path / "t")
+
+
+def _check_text_offsets(tokenizer, ids: list[int]) -> int:
+    """TextOffsets on `ids` against the tokenizer's own decode: the offsets never fall and stay
+    in the text; where the decode of the tokens before one is a prefix of the text (it ends on
+    a whole character), the offset is its length; a piece that is whole UTF-8 text (no special
+    token, no byte-fallback token) is found at its offset, its first space stripped where the
+    decoder strips the text's. Returns how many offsets the prefix rule checked (not those
+    after half a character: a text that ends there ends on its U+FFFD)."""
+    tt, tb = token_text(tokenizer), decoded_bytes(tokenizer)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    offsets = TextOffsets(tt)
+    got = [offsets.add(t) for t in ids]
+    assert got == sorted(got) and all(0 <= o <= len(text) for o in got), (ids, got, text)
+    checked = 0
+    for i, (token_id, offset) in enumerate(zip(ids, got, strict=True)):
+        prefix = tokenizer.decode(ids[:i], skip_special_tokens=True)
+        if text.startswith(prefix) and not ends_inside_a_character(ids[:i], tb):
+            assert offset == len(prefix), (ids, i, got, text)
+            checked += 1
+        data = bytes(tt.bytes(token_id))
+        if token_id in tt.skipped or (tt.byte_tokens and token_id in tt.byte_tokens):
+            continue
+        try:
+            shown = data.decode()
+        except UnicodeDecodeError:
+            continue
+        stripped = offset == 0 and tt.strips_first_space and shown.startswith(" ") and not prefix
+        assert text[offset:].startswith(shown[1:] if stripped else shown), (ids, i, got, text)
+    return checked
+
+
+def test_completion_text_offsets_index_the_text(spm_dir):
+    """/v1/completions' text_offset (protocol.TextOffsets): the SentencePiece decoder strips the
+    text's first space, so " Hello" first shows "Hello" and every offset after it was one past
+    the text (offsets added len(token text)). Random id sequences (pieces, byte-fallback runs of
+    whole and half characters and invalid bytes, special tokens) against the decoder."""
+    tok = load_hf_tokenizer(spm_dir)
+    tt = token_text(tok.tokenizer)
+    assert tt.strips_first_space and tt.skipped == frozenset({0, 1, 2})
+    hello = tok.tokenizer.encode("Hello world", add_special_tokens=False).ids
+    assert tt.text(hello[0]).startswith(" ") and tok.decode(hello) == "Hello world"
+    offsets = TextOffsets(tt)
+    assert [offsets.add(t) for t in hello] == [len(tok.decode(hello[:i])) for i in range(len(hello))]
+    size = tok.tokenizer.get_vocab_size()
+    byte_ids = [3 + b for b in [0x41, 0x20, 0xC3, 0xA9, 0xE4, 0xBD, 0xA0, 0xF0, 0x9F, 0x99, 0x82, 0xFF, 0x80]]
+    checked = []
+
+    @settings(max_examples=300, deadline=None)
+    @given(_id_lists(size, byte_ids, [0, 1, 2]))
+    def check(ids: list[int]) -> None:
+        checked.append(_check_text_offsets(tok.tokenizer, ids))
+
+    check()
+    assert sum(checked) > 1000, sum(checked)
+    # a tokenizer without the Strip decoder (add_prefix_space false): the first space stays
+    save_spm_tokenizer(spm_dir.parent / "nostrip", add_prefix_space=False)
+    plain = load_hf_tokenizer(spm_dir.parent / "nostrip")
+    assert not token_text(plain.tokenizer).strips_first_space
+    _check_text_offsets(plain.tokenizer, hello)
+
+
+def test_byte_level_completion_text_offsets_index_the_text():
+    """SmolLM2 (byte-level BPE: no space stripped): the offsets are the lengths of the text
+    before each token, a character split over tokens starting where the character does."""
+    from kvpool.engine.build import load_model
+
+    tokenizer = load_model(None).tokenizer.tokenizer
+    tt = token_text(tokenizer)
+    assert tt.byte_tokens is None and not tt.strips_first_space
+    ids = tokenizer.encode(" Hello world, 你好 🙂🚀 Café", add_special_tokens=False).ids
+    text = tokenizer.decode(ids)
+    offsets = TextOffsets(tt)
+    got = [offsets.add(t) for t in ids]
+    assert got[:3] == [0, len(" Hello"), len(" Hello world")] and text.startswith(" Hello")
+    assert _check_text_offsets(tokenizer, ids) >= len(ids) - 4  # (the tokens inside a split character)
+    size = tokenizer.get_vocab_size()
+    specials = sorted(tt.skipped)
+
+    @settings(max_examples=100, deadline=None)
+    @given(_id_lists(size, list(range(size)), specials))
+    def check(ids: list[int]) -> None:
+        _check_text_offsets(tokenizer, ids)
+
+    check()

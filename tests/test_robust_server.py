@@ -1036,14 +1036,16 @@ def test_a_completions_top_logprobs_hold_the_sampled_token_where_it_is_not_among
     """OpenAI: "the API will always return the logprob of the sampled token, so there may be up
     to logprobs+1 elements"; vLLM answers so. The sampled token outside the top k was left out
     (and `logprobs: 0` gave {})."""
-    from kvpool.server.protocol import TokenText, completion_logprobs
+    from kvpool.server.protocol import TextOffsets, TokenText, completion_logprobs
 
     tt = TokenText(lambda token_id: "abcdef"[token_id])
+    offsets = TextOffsets(tt)
+    assert [offsets.add(t) for t in (1, 1, 3)] == [0, 1, 2]  # (the sample's earlier tokens: "bbd")
     entries = [(-0.1, [(0, -0.1), (1, -2.5)]), (-3.0, [(0, -0.5), (1, -1.0)]), (-0.2, []), (-4.0, [])]
-    out = completion_logprobs(entries, [0, 4, 2, 5], tt, offset=7)
+    out = completion_logprobs(entries, [0, 4, 2, 5], tt, offsets)
     assert out == {
         "tokens": ["a", "e", "c", "f"],
         "token_logprobs": [-0.1, -3.0, -0.2, -4.0],
         "top_logprobs": [{"a": -0.1, "b": -2.5}, {"a": -0.5, "b": -1.0, "e": -3.0}, {"c": -0.2}, {"f": -4.0}],
-        "text_offset": [7, 8, 9, 10],
+        "text_offset": [3, 4, 5, 6],
     }

@@ -481,17 +481,15 @@ class _Shape:
         self.include_usage = include_usage
         self.created = protocol.now()
         self.object = "chat.completion" if chat else "text_completion"
-        self.text_offsets: dict[int, int] = {}
+        self.text_offsets: dict[int, protocol.TextOffsets] = {}
 
     def _logprobs(self, delta: Delta) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
         if self.chat:
             return protocol.chat_logprobs(delta.logprobs, delta.token_ids, self.tt)
-        offset = self.text_offsets.get(delta.index, 0)
-        out = protocol.completion_logprobs(delta.logprobs, delta.token_ids, self.tt, offset)
-        self.text_offsets[delta.index] = offset + sum(len(t) for t in out["tokens"])
-        return out
+        offsets = self.text_offsets.setdefault(delta.index, protocol.TextOffsets(self.tt))
+        return protocol.completion_logprobs(delta.logprobs, delta.token_ids, self.tt, offsets)
 
     def chunk(self, delta: Delta, first: bool) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": delta.index}

@@ -19,6 +19,7 @@ them: `top_k` (0 or vLLM's -1 for all tokens) and `ignore_eos`.
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 from functools import cache
@@ -28,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from kvpool.engine.engine import RequestOutput
 from kvpool.engine.sampling import MAX_STOP_CHARS, SEED_MAX, SEED_MIN
-from kvpool.server.text_stream import TokenBytes
+from kvpool.server.text_stream import TokenBytes, fallback_text, incomplete_tail
 
 MAX_N = 16  # samples per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -420,9 +421,17 @@ class TokenText:
     tokenizer (models/hf_tokenizer.py), its byte-fallback tokens ("<0xNN>": that byte), every
     other piece being UTF-8 text with "▁" for a space."""
 
-    def __init__(self, id_to_token, byte_tokens: frozenset[int] | None = None) -> None:
+    def __init__(
+        self,
+        id_to_token,
+        byte_tokens: frozenset[int] | None = None,
+        skipped: frozenset[int] = frozenset(),
+        strips_first_space: bool = False,
+    ) -> None:
         self._id_to_token = id_to_token
         self.byte_tokens = byte_tokens
+        self.skipped = skipped  # special tokens: the text (skip_special_tokens) leaves them out
+        self.strips_first_space = strips_first_space  # a SentencePiece decoder's Strip: the text's first space
 
     def bytes(self, token_id: int) -> list[int]:
         piece = self._id_to_token(token_id) or ""
@@ -457,12 +466,18 @@ def is_byte_fallback_piece(piece: str | None) -> bool:
 def token_text(tokenizer: Any) -> TokenText:
     """The TokenText of a `tokenizers.Tokenizer`: byte-level BPE where its decoder is
     ByteLevel, else SentencePiece-style (the only other kind models/hf_tokenizer.py loads)."""
+    added = tokenizer.get_added_tokens_decoder()
+    skipped = frozenset(token_id for token_id, token in added.items() if token.special)
     if type(tokenizer.decoder).__name__ == "ByteLevel":
-        return TokenText(tokenizer.id_to_token)
+        return TokenText(tokenizer.id_to_token, skipped=skipped)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
-    specials = tokenizer.get_added_tokens_decoder()
-    pieces = ((i, tokenizer.id_to_token(i)) for i in range(size) if i not in specials)
-    return TokenText(tokenizer.id_to_token, frozenset(i for i, piece in pieces if is_byte_fallback_piece(piece)))
+    pieces = ((i, tokenizer.id_to_token(i)) for i in range(size) if i not in added)
+    byte_tokens = frozenset(i for i, piece in pieces if is_byte_fallback_piece(piece))
+    # the decoder strips the text's first space or not (Strip, or none): ask it, on a piece "▁..."
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    probe = next((i for piece, i in vocab if piece.startswith("\u2581") and i not in added), None)
+    strips = probe is not None and not tokenizer.decode([probe]).startswith(" ")
+    return TokenText(tokenizer.id_to_token, byte_tokens, skipped, strips)
 
 
 def decoded_bytes(tokenizer: Any) -> TokenBytes:
@@ -500,18 +515,85 @@ class TokenBound:
         return -(-num_bytes // self.max_token_bytes)
 
 
+class TextOffsets:
+    """Where each token of one sample starts in its text (the decode of its tokens, special
+    ones skipped), in characters, token by token: `text[offset:]` starts with the token's text
+    as the text shows it. A SentencePiece decoder strips the text's first space (" Hello"
+    shows "Hello"); a token holding only part of a character (the rest in the next tokens)
+    starts where the character does; a skipped special token where the next text will. A run of
+    byte-fallback tokens that is no valid UTF-8 as a whole is one U+FFFD a byte (the
+    ByteFallback decoder's rule), so a later byte may still change the run's text: the offsets
+    given are those of the text so far, as a stream can know them."""
+
+    def __init__(self, tt: TokenText) -> None:
+        self.tt = tt
+        self.chars = 0  # characters of the text before `pending` (the first space not yet stripped)
+        self.first = ""  # the text's first character, once there is one
+        self.pending = b""  # byte-level: an incomplete character's bytes; SentencePiece: the byte-fallback run
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def _run_text(self, run: bytes) -> str:
+        """A byte-fallback run's text so far, less an incomplete character at its end."""
+        try:
+            return run[: len(run) - incomplete_tail(run)].decode()
+        except UnicodeDecodeError:  # no valid UTF-8, whatever bytes follow: a U+FFFD a byte
+            return "\ufffd" * len(run)
+
+    def _add_text(self, text: str) -> None:
+        if text and not self.first:
+            self.first = text[0]
+        self.chars += len(text)
+
+    def _start(self, token_id: int, data: bytes) -> int:
+        """Where the token starts in the text so far (its first space not yet stripped), its
+        bytes `data` ending or continuing what is pending; a piece's ends a byte run."""
+        if not self.pending or token_id in self.tt.skipped:
+            return self.chars + len(self._run_text(self.pending) if self.tt.byte_tokens is not None else "")
+        if self.tt.byte_tokens is None:
+            # an incomplete character: the token continues it (starts where it does) or ends it
+            # (its bytes are one U+FFFD, as the decoder replaces them)
+            out = codecs.getincrementaldecoder("utf-8")("replace").decode(self.pending + data[:1])
+            continued = "\ufffd" not in out
+            return self.chars + (0 if continued else len(self.pending.decode("utf-8", errors="replace")))
+        if token_id not in self.tt.byte_tokens:
+            self._add_text(fallback_text(self.pending))
+            self.pending = b""
+            return self.chars
+        run = self.pending + data
+        try:
+            run[: len(run) - incomplete_tail(run)].decode()
+        except UnicodeDecodeError:
+            return self.chars + len(self.pending)
+        return self.chars + len(self._run_text(self.pending))
+
+    def add(self, token_id: int) -> int:
+        """The offset of `token_id`, the sample's next token."""
+        data = b"" if token_id in self.tt.skipped else bytes(self.tt.bytes(token_id))
+        raw = self._start(token_id, data)
+        first = self.first or (self._run_text(self.pending)[:1] if self.tt.byte_tokens is not None else "")
+        offset = raw - 1 if self.tt.strips_first_space and first == " " and raw > 0 else raw
+        if token_id in self.tt.skipped:
+            return offset
+        if self.tt.byte_tokens is None:
+            self._add_text(self._utf8.decode(data))
+            self.pending = self._utf8.getstate()[0]  # (the bytes it holds)
+        elif token_id in self.tt.byte_tokens:
+            self.pending += data
+        else:
+            self._add_text(data.decode("utf-8", errors="replace"))
+        return offset
+
+
 def completion_logprobs(
-    entries: list[tuple[float, list[tuple[int, float]]]], token_ids: list[int], tt: TokenText, offset: int
+    entries: list[tuple[float, list[tuple[int, float]]]], token_ids: list[int], tt: TokenText, offsets: TextOffsets
 ) -> dict[str, Any]:
-    """/v1/completions' logprobs object for these tokens; text offsets start at `offset`.
-    Each position's `top_logprobs` holds the k most likely tokens and the sampled one where it
-    is not among them (up to k + 1, as OpenAI documents it and vLLM answers; `logprobs: 0` is
-    the sampled token alone). Chat's `top_logprobs` is the k most likely only, as in both."""
+    """/v1/completions' logprobs object for these tokens, the next ones of the sample whose
+    text `offsets` follows. Each position's `top_logprobs` holds the k most likely tokens and
+    the sampled one where it is not among them (up to k + 1, as OpenAI documents it and vLLM
+    answers; `logprobs: 0` is the sampled token alone). Chat's `top_logprobs` is the k most
+    likely only, as in both."""
     tokens = [tt.text(t) for t in token_ids]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
+    text_offsets = [offsets.add(t) for t in token_ids]
     top_logprobs = []
     for token_id, (lp, top) in zip(token_ids, entries, strict=True):
         shown = {tt.text(t): v for t, v in top}
@@ -522,7 +604,7 @@ def completion_logprobs(
         "tokens": tokens,
         "token_logprobs": [lp for lp, _ in entries],
         "top_logprobs": top_logprobs,
-        "text_offset": offsets,
+        "text_offset": text_offsets,
     }
 
 

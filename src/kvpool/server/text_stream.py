@@ -123,18 +123,18 @@ class TextStream:
                 self.context_text = window
             return text, 0
         data = b"".join(self.token_bytes(t) for t in self.visible[start:])
-        held = len(_fallback_text(data))
+        held = len(fallback_text(data))
         if ended:  # no byte comes: the run's text less an incomplete character's bytes shows
-            cut = _incomplete_tail(data)
+            cut = incomplete_tail(data)
             if not cut:
                 return text, 0
-            kept = _fallback_text(data[:-cut])
+            kept = fallback_text(data[:-cut])
             text = text[: max(len(text) - held, len(self.stable_text))] + kept
             return text, 0
         return text, min(held, len(text) - len(self.stable_text))
 
 
-def _fallback_text(data: bytes) -> str:
+def fallback_text(data: bytes) -> str:
     """A byte-fallback run's text as the ByteFallback decoder gives it: the UTF-8 text when
     all of it is valid, else one U+FFFD a byte."""
     try:
@@ -143,7 +143,7 @@ def _fallback_text(data: bytes) -> str:
         return "\ufffd" * len(data)
 
 
-def _incomplete_tail(data: bytes) -> int:
+def incomplete_tail(data: bytes) -> int:
     """How many of the last bytes of `data` are an incomplete UTF-8 character (0-3)."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     decoder.decode(data[-3:])
