@@ -544,3 +544,60 @@ def test_byte_level_completion_text_offsets_index_the_text():
         _check_text_offsets(tokenizer, ids)
 
     check()
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"lstrip": True},
+        {"rstrip": True},
+        {"lstrip": True, "rstrip": True},
+        {"single_word": True},
+        {"normalized": True},
+        {"special": False},
+        {},
+    ],
+)
+def test_added_token_flags_of_the_tokenizer_config_are_transformers(tmp_path, kind, flags):
+    """transformers 5.25 takes an added token's lstrip / rstrip / single_word / normalized /
+    special from tokenizer_config.json's added_tokens_decoder, not tokenizer.json's (all false
+    there but special): with lstrip true there "a <|im_start|>" lost its space in transformers'
+    ids, not in kvpool's. Ids and decode (special tokens skipped) equal AutoTokenizer's."""
+    from hf_tiny import save_tokenizer
+
+    path = tmp_path / "t"
+    (save_tokenizer if kind == "byte-level" else save_spm_tokenizer)(path)
+    spec = json.loads((path / "tokenizer.json").read_text())
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    keys = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
+    config["added_tokens_decoder"] = {str(a["id"]): {**{k: a[k] for k in keys}, **flags} for a in spec["added_tokens"]}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    ref, tok = _reference(path), load_hf_tokenizer(path)
+    texts = [*TEXTS, "a <|im_start|> b", "x  <|im_start|>\n\ny", "a<|im_end|> b", "hi</s> there <unk> z", "<s> hi <s>x"]
+    for text in texts:
+        ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
+        assert ids == ref(text, add_special_tokens=False).input_ids, text
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    if flags.get("lstrip"):  # (the premise: the flag changes the ids)
+        assert (
+            tok.tokenizer.encode("a <s>", add_special_tokens=False).ids
+            == ref("a<s>", add_special_tokens=False).input_ids
+        )
+
+
+@pytest.mark.parametrize(
+    "decoder, match",
+    [
+        ([], r"added_tokens_decoder is \[\], not an object"),
+        ({"1": "<s>"}, r"added_tokens_decoder\['1'\] is no object with a text 'content'"),
+        (
+            {"1": {"content": "<s>", "lstrip": "yes"}},
+            r"added_tokens_decoder\['1'\]\.lstrip is 'yes', not true or false",
+        ),
+    ],
+)
+def test_a_malformed_added_tokens_decoder_is_refused_naming_the_file(tmp_path, decoder, match):
+    save_spm_tokenizer(tmp_path / "t", added_tokens_decoder=decoder)
+    with pytest.raises(ValueError, match=r"t/tokenizer_config\.json: " + match):
+        load_hf_tokenizer(tmp_path / "t")

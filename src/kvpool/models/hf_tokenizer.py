@@ -209,6 +209,37 @@ def _as_llama_tokenizer(path: Path, config: dict[str, Any], spec: dict[str, Any]
     return rebuilt
 
 
+_ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
+
+
+def _added_token_flags(path: Path, config: dict[str, Any], tokenizer: Tokenizer) -> None:
+    """tokenizer_config.json's added_tokens_decoder flags (single_word, lstrip, rstrip,
+    normalized, special) on tokenizer.json's added tokens of the same id and text, as
+    transformers takes them: an added token with lstrip there takes the spaces before it. An
+    entry of a token tokenizer.json lacks is left out (transformers would add it)."""
+    from tokenizers import AddedToken
+
+    entries = config.get("added_tokens_decoder")
+    if entries is None:
+        return
+    if not isinstance(entries, dict):
+        raise ValueError(f"{path}: added_tokens_decoder is {json.dumps(entries)[:40]}, not an object of id: token")
+    added = tokenizer.get_added_tokens_decoder()
+    for key, entry in entries.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+            raise ValueError(f"{path}: added_tokens_decoder[{key!r}] is no object with a text 'content'")
+        for flag in _ADDED_TOKEN_FLAGS:
+            if flag in entry and not isinstance(entry[flag], bool):
+                raise ValueError(f"{path}: added_tokens_decoder[{key!r}].{flag} is {entry[flag]!r}, not true or false")
+        token = added.get(int(key)) if key.isdigit() else None
+        if token is None or token.content != entry["content"]:
+            continue
+        flags = {flag: entry.get(flag, getattr(token, flag)) for flag in _ADDED_TOKEN_FLAGS}
+        if all(flags[flag] == getattr(token, flag) for flag in _ADDED_TOKEN_FLAGS):
+            continue
+        tokenizer.add_tokens([AddedToken(token.content, **flags)])
+
+
 def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
     """The ChatTokenizer of an HF model directory. ValueError in one line naming the file for
     a missing or malformed tokenizer.json, one of a kind whose text kvpool does not stream
@@ -229,6 +260,7 @@ def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
     spec = json.loads(raw)
     if _kind(path, spec) == "sentencepiece" and _llama_class(d, config):
         tokenizer = _as_llama_tokenizer(config_path, config, spec, tokenizer)
+    _added_token_flags(config_path, config, tokenizer)
     names = {key: _token_text(config_path, key, config.get(key)) for key in _SPECIAL_NAMES}
     ids: dict[str, int | None] = {}
     for key, text in names.items():
