@@ -357,15 +357,21 @@ def test_a_config_file_that_is_no_config_is_refused_before_it_is_read(tmp_path: 
         ("gpt-oss-120b", 64, 2 * 36 * 8 * 64 * 2),  # 2880 / 64 = 45
     ],
 )
-def test_an_absent_head_dim_takes_the_familys_default(preset: str, head_dim: int, kv_bytes_per_token: int) -> None:
+def test_an_absent_head_dim_takes_the_familys_default_and_a_null_one_is_refused(
+    preset: str, head_dim: int, kv_bytes_per_token: int
+) -> None:
     from kvpool.capacity.kv import kv_layout
 
     cfg = load_preset_config(preset)
-    for absent in ({k: v for k, v in cfg.items() if k != "head_dim"}, cfg | {"head_dim": None}):
-        spec = from_hf_config(absent)
-        assert spec.head_dim == head_dim
-        assert kv_layout(spec).bytes_per_token == kv_bytes_per_token
-    # Llama (and Mistral, Qwen2) derive it: hidden / heads
+    spec = from_hf_config({k: v for k, v in cfg.items() if k != "head_dim"})
+    assert spec.head_dim == head_dim
+    assert kv_layout(spec).bytes_per_token == kv_bytes_per_token
+    # a null one: transformers 5.25's Qwen3Config / Gemma2Config / GptOssConfig refuse it
+    # (StrictDataclassFieldValidationError: head_dim is an int), as hf_config does; it was
+    # read as the default
+    with pytest.raises(ValueError, match=rf"head_dim must be a positive integer, got null .*default, {head_dim}\)"):
+        from_hf_config(cfg | {"head_dim": None})
+    # Llama (and Mistral, Qwen2) derive it: hidden / heads, null or absent (transformers takes null)
     llama = load_preset_config("llama-3.1-8b")
     assert from_hf_config(llama | {"head_dim": None}).head_dim == 4096 // 32
 
@@ -494,3 +500,16 @@ def test_v4_latent_compressor_and_indexer_projections_are_whole_on_every_tp_rank
     one, eight = weight_bytes(model, tp=1, weight_dtype="bf16"), weight_bytes(model, tp=8, weight_dtype="bf16")
     rest = counts.embedding + counts.lm_head + counts.mlp + counts.experts + counts.expert_biases
     assert one.per_gpu_bytes - eight.per_gpu_bytes == pytest.approx(2 * (sharded + rest) * 7 / 8, rel=1e-6)
+
+
+def test_plan_refuses_a_null_head_dim_in_one_line(tmp_path, capsys) -> None:
+    """`kvpool plan --model config.json` with Qwen3's head_dim null: it planned with 128,
+    while transformers and the engine (hf_config) refuse the file."""
+    from kvpool.cli.main import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(load_preset_config("qwen3-32b") | {"head_dim": None}))
+    assert main(["plan", "--model", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured
+    assert "qwen3 config: head_dim must be a positive integer, got null" in captured.err

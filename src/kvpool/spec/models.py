@@ -557,6 +557,13 @@ def _parse_gqa(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
     kv_heads = _positive(cfg, "num_key_value_heads", model_type, default=heads)  # absent: MHA (HF's own default)
     # absent: transformers' own default, which for these families is a constant, not
     # hidden / heads (Qwen3-32B: 5120 / 64 = 80 for its 128)
+    if model_type in _HEAD_DIM_DEFAULTS and "head_dim" in cfg and cfg["head_dim"] is None:
+        # transformers 5.25's config class of these families refuses null (its field is an
+        # int), Llama's / Qwen2's take it for hidden / heads
+        raise ValueError(
+            f"{model_type} config: head_dim must be a positive integer, got null "
+            f"(leave it out for the family's default, {_HEAD_DIM_DEFAULTS[model_type]})"
+        )
     head_dim = _positive(cfg, "head_dim", model_type, default=_HEAD_DIM_DEFAULTS.get(model_type, h // heads))
     gemma = model_type in ("gemma2", "gemma3_text")
     moe = None
