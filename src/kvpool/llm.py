@@ -196,10 +196,19 @@ class LLM:
         self,
         conversations: str | Sequence[Message] | Sequence[str | Sequence[Message]],
         params: SamplingParams | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
     ) -> list[GenerateOutput]:
         """Answer each conversation through the model's chat template (what `kvpool generate
         "prompt"` sends). A conversation is a user message (a string) or a list of
-        {"role", "content"} messages; one conversation or a list of them."""
+        {"role", "content"} messages; one conversation or a list of them.
+        `chat_template_kwargs`: variables the template gets besides the messages (vLLM's
+        name; Qwen3's enable_thinking=False), as transformers' apply_chat_template passes them."""
+        if chat_template_kwargs is not None and (
+            not isinstance(chat_template_kwargs, Mapping) or not all(isinstance(k, str) for k in chat_template_kwargs)
+        ):
+            raise TypeError(
+                f"chat_template_kwargs is a {type(chat_template_kwargs).__name__}; give a dict of name: value"
+            )
         if isinstance(conversations, Mapping):  # (it answered its keys, "role" and "content", as two messages)
             raise TypeError("conversations is a dict (one message?); give [message], a list of messages")
         if isinstance(conversations, set | frozenset):  # (answered in hash order; a dict's keys() view keeps its order)
@@ -222,7 +231,7 @@ class LLM:
                 for key in ("role", "content"):
                     if not isinstance(m[key], str):
                         raise TypeError(f"conversations[{i}][{j}]['{key}'] is a {type(m[key]).__name__}, not a string")
-            text = self.tokenizer.render_chat(messages)
+            text = self.tokenizer.render_chat(messages, template_kwargs=chat_template_kwargs)
             encoded.append((text, self.tokenizer.encode_rendered(text)))
         return self._run(encoded, params)
 

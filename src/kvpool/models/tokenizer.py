@@ -18,6 +18,8 @@ llama.cpp reads it (_build_spm).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NoReturn
@@ -94,6 +96,15 @@ def chat_template_vars(special_tokens: dict[str, str | None]) -> dict[str, Any]:
     }
 
 
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
+    """A chat template's `tojson`, as transformers defines it: plain JSON, its keys in their
+    order and non-ASCII text kept (jinja2's own sorts the keys and escapes <, >, &, ' and
+    every non-ASCII character for HTML: a tool's "é & b" came out "\\u00e9 \\u0026 b")."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 @dataclass
 class ChatTokenizer:
     """Encode / decode text and render chat messages with the model's own template."""
@@ -134,9 +145,20 @@ class ChatTokenizer:
                 text = text.replace(spaced, clean)
         return text
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         """The chat template (jinja2, as shipped in the GGUF or the HF directory) applied to
-        `messages`, with `template_vars` (the special tokens' texts, tools=None, strftime_now)."""
+        `messages`, with `template_vars` (the special tokens' texts, tools=None, strftime_now)
+        and `template_kwargs` over them (what transformers' apply_chat_template passes on from
+        its keyword arguments: Qwen3's enable_thinking)."""
+        extra = dict(template_kwargs or {})
+        for name in ("messages", "add_generation_prompt"):
+            if name in extra:
+                raise ValueError(f"chat_template_kwargs: {name!r} is the request's own, not a template variable")
         if not self.chat_template:
             if self.template_absent is not None:
                 raise ValueError(f"{self.template_absent}; use raw text (--no-chat)")
@@ -157,6 +179,7 @@ class ChatTokenizer:
             extensions=[jinja2.ext.loopcontrols],  # ({% break %} / {% continue %}, which HF templates may use)
         )
         env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = _tojson
         # ValueError, one line: a template that is not jinja, or one that refuses the messages
         # (its raise_exception, an undefined name), was a jinja2 traceback from the CLI
         try:
@@ -166,7 +189,9 @@ class ChatTokenizer:
                 f"{self.template_source} chat template is not valid jinja (line {e.lineno}): {e.message}"
             ) from None
         try:
-            return template.render(**self.template_vars, messages=messages, add_generation_prompt=add_generation_prompt)
+            return template.render(
+                **{**self.template_vars, **extra}, messages=messages, add_generation_prompt=add_generation_prompt
+            )
         except (jinja2.TemplateError, TypeError) as e:
             raise ValueError(f"the chat template refused the messages: {e}") from None
 

@@ -25,7 +25,7 @@ import time
 from functools import cache
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, ValidationError, model_validator
 
 from kvpool.engine.engine import RequestOutput
 from kvpool.engine.sampling import MAX_STOP_CHARS, SEED_MAX, SEED_MIN
@@ -239,6 +239,8 @@ class ChatCompletionRequest(SamplingRequest):
     functions: list[Any] | None = None  # OpenAI's deprecated names for tools and tool_choice
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    # variables the chat template gets besides the messages (vLLM's name; Qwen3's enable_thinking)
+    chat_template_kwargs: dict[str, JsonValue] | None = None
 
     @model_validator(mode="before")
     @classmethod
