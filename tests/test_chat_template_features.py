@@ -221,3 +221,30 @@ def test_serve_takes_chat_template_kwargs_through_extra_body(tmp_path):
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
+
+
+UNSET = (
+    "{{ bos_token }}[{{ no_such_name }}|{{ date_string }}]{% if documents %}docs{% endif %}"
+    "{% if not custom_tools %}no tools{% endif %}{% for m in messages %}{{ m.content }}{{ m.name }}{% endfor %}"
+)
+
+
+def test_an_unset_name_renders_as_transformers_renders_it(tmp_path):
+    """A template naming a variable nobody passes (a Command-R-style `documents`, a message's
+    `name`) renders it as jinja's Undefined, '' and false, as transformers does: kvpool's strict
+    undefined refused such a chat that transformers and llama.cpp render."""
+    path = tmp_path / "u"
+    save_tokenizer(path)
+    (path / "chat_template.jinja").write_text(UNSET)
+    ref, tok = _reference(path), load_hf_tokenizer(path)
+    messages = MESSAGES[1:2]
+    want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok.render_chat(messages) == want
+    assert want.endswith("[|]no toolsHi 你好")  # (the premise: every unset name printed nothing)
+    # an attribute of an unset name is an error in both
+    (path / "chat_template.jinja").write_text("{{ no_such_name.first }}")
+    ref, tok = _reference(path), load_hf_tokenizer(path)
+    with pytest.raises(Exception, match="'no_such_name' is undefined"):
+        ref.apply_chat_template(messages, tokenize=False)
+    with pytest.raises(ValueError, match="^the chat template refused the messages: 'no_such_name' is undefined$"):
+        tok.render_chat(messages)

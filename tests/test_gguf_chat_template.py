@@ -137,8 +137,11 @@ def test_the_template_variables_are_the_gguf_tokens_texts(tmp_path):
     template = "{{ bos_token }}|{{ eos_token }}|{{ tools }}|{{ documents }}|{{ strftime_now('%Y') }}"
     tok = gguf_tokenizer(write_tokenizer_gguf(tmp_path / "v.gguf", template, add_bos=False))
     assert tok.render_chat([]) == f"{BOS}|{EOS}|None|None|{datetime.now().year}"
-    # names the GGUF does not give stay undefined: one line naming them, as before
-    tok.chat_template = "{{ pad_token }}"
+    # names the GGUF does not give are jinja's Undefined, as transformers and llama.cpp render
+    # them: '' and false; an attribute of one refuses the messages in one line
+    tok.chat_template = "[{{ pad_token }}]{% if documents %}d{% endif %}{% if custom is defined %}c{% endif %}"
+    assert tok.render_chat([]) == "[]"
+    tok.chat_template = "{{ pad_token.content }}"
     with pytest.raises(ValueError, match="^the chat template refused the messages: 'pad_token' is undefined$"):
         tok.render_chat([])
 

@@ -172,10 +172,12 @@ class ChatTokenizer:
         def raise_exception(message: str) -> NoReturn:  # what HF templates call to refuse messages
             raise jinja2.TemplateError(message)
 
+        # jinja2's default Undefined, as transformers' apply_chat_template and llama.cpp render:
+        # an unset name prints as '' and tests false (`{% if documents %}`, `{{ pad_token }}`);
+        # reading an attribute of one, or calling it, still refuses the messages
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True,
             lstrip_blocks=True,
-            undefined=jinja2.StrictUndefined,
             extensions=[jinja2.ext.loopcontrols],  # ({% break %} / {% continue %}, which HF templates may use)
         )
         env.globals["raise_exception"] = raise_exception
