@@ -7,12 +7,6 @@ LLM.chat and kvpool serve's /v1/chat/completions (the openai client's extra_body
 
 from __future__ import annotations
 
-import os
-import select
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +14,7 @@ import pytest
 import kvpool
 from hf_tiny import save_tokenizer
 from kvpool.models.hf_tokenizer import load_hf_tokenizer
+from served import served
 
 transformers = pytest.importorskip("transformers")
 
@@ -184,17 +179,7 @@ def test_serve_takes_chat_template_kwargs_through_extra_body(tmp_path):
     _llama_weights(path)
     _directory(path)
     ref = _reference(path)
-    src = str(Path(kvpool.__file__).parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "kvpool", "serve", "--model", str(path), "--port", "0", "--kv-memory", "4MiB"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        deadline, line = time.monotonic() + 120, ""
-        while "ready on " not in line and time.monotonic() < deadline and proc.poll() is None:
-            if select.select([proc.stdout], [], [], 1)[0]:
-                line = proc.stdout.readline()
-        assert "ready on " in line, proc.stderr.read() if proc.poll() is not None else "not ready in 120 s"
-        url = line.split("ready on ", 1)[1].split()[0]
+    with served("--model", str(path), "--kv-memory", "4MiB") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
         messages = MESSAGES[1:2]
         for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True, "unused": [1, {"a": None}]}):
@@ -217,10 +202,6 @@ def test_serve_takes_chat_template_kwargs_through_extra_body(tmp_path):
                     model="m", messages=messages, max_tokens=1, extra_body={"chat_template_kwargs": bad}
                 )
             assert words in str(info.value) and "\n" not in info.value.body["message"], info.value.body
-    finally:
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
 
 
 UNSET = (

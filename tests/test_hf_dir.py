@@ -9,13 +9,7 @@ missing it once the weights are other. Missing or malformed files: one line nami
 from __future__ import annotations
 
 import json
-import os
 import re
-import select
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +21,7 @@ from kvpool.cli.main import main
 from kvpool.engine.build import build_engine, load_model
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.hf_tokenizer import load_hf_tokenizer
+from served import served
 from test_qwen2 import hf_model, hf_weights
 
 transformers = pytest.importorskip("transformers")
@@ -378,22 +373,7 @@ def test_llm_chat_and_a_served_chat_take_the_templates_bos_alone(tmp_path):
 def test_serve_answers_a_chat_completion_from_an_hf_directory(tmp_path):
     openai = pytest.importorskip("openai")
     path = _qwen2_dir(tmp_path / "qwen2")
-    src = str(Path(kvpool.__file__).parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool", "serve", "--model", str(path), "--port", "0", "--kv-memory", "4MiB"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        deadline, line = time.monotonic() + 120, ""
-        while "ready on " not in line and time.monotonic() < deadline and proc.poll() is None:
-            if select.select([proc.stdout], [], [], 1)[0]:
-                line = proc.stdout.readline()
-        assert "ready on " in line, proc.stderr.read() if proc.poll() is not None else "not ready in 120 s"
-        url = line.split("ready on ", 1)[1].split()[0]
+    with served("--model", str(path), "--kv-memory", "4MiB") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60)
         assert [m.id for m in client.models.list()] == ["qwen2"]
         reply = client.chat.completions.create(
@@ -407,11 +387,6 @@ def test_serve_answers_a_chat_completion_from_an_hf_directory(tmp_path):
         end = next((i for i, t in enumerate(ref) if t in stop), 6)
         assert reply.choices[0].message.content == loaded.tokenizer.decode(ref[:end])
         assert reply.usage.prompt_tokens == len(prompt)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert "cache integrity ok, 0 blocks held" in err, err
 
 
 def test_run_on_an_hf_directory_uses_the_disk_tier_by_its_weights_digest(tmp_path, capsys):
