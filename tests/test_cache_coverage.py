@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvpool.cache import CacheDescriptor, FullAttentionManager
 from kvpool.cache.coordinator import HybridCacheManager, pack_prompt
 from kvpool.cache.recurrent import RecurrentGroupSpec
-from kvpool.cache.types import NO_RESERVATION, BlockCopy, Reservation
+from kvpool.cache.types import NO_RESERVATION, BlockCopy, Reservation, StateRestore
 from kvpool.cache.window import AttentionGroupSpec
 
 DESC = CacheDescriptor("tiny-coverage", weights_version="v1")
@@ -481,4 +481,164 @@ def test_a_v4_cache_without_prefix_caching_finds_and_files_nothing() -> None:
     assert m.groups["v4"].prefetch_candidates(m.root(), prompt) == ([], [])
     again = m.admit("b", prompt)
     assert again is not None and again.num_cached_tokens == 0
+    m.check_integrity()
+
+
+def _held(m: HybridCacheManager) -> tuple:
+    """`_frozen` with every group's table of every request and the dual pools' checkpoints."""
+    tables = tuple((r, g.name, tuple(m.block_ids(r, g.name))) for r in m.request_ids for g in m._table_groups)
+    ckpts = tuple(dict(g._checkpoints) for g in m.groups.values() if hasattr(g, "_checkpoints"))  # (in any order)
+    return _frozen(m), tables, ckpts
+
+
+def test_an_undone_step_relists_the_spilled_turn_end_its_allocation_evicted() -> None:
+    # A kept turn end at 40 is spilled to classical block 8 (a free cached block, first in the
+    # LRU queue once "h" holds spans 0 and 1); "z"'s step takes block 8, and a probe meanwhile
+    # unlists the spill as dead (its spans are still cached: the walk reaches it). Undone, the
+    # step gives block 8 its content back: the spill is listed and hit again. Without the
+    # relisting check_integrity names it ("not findable as filed") and the probe finds 32.
+    from kvpool.cache import DSV4CacheManager
+    from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+    from kvpool.spec.dsv4 import DSV4Spec
+
+    spec = DSV4Spec.from_config(SMALL_DSV4_CONFIG)  # span 16
+    m = DSV4CacheManager(
+        spec, 12, 2, CacheDescriptor("small-dsv4"), restore="auto", checkpoint_blocks=1, turn_end_checkpoints=True
+    )
+    g = m.groups["v4"]
+
+    def ids(n: int, offset: int = 0) -> list[int]:
+        return [(offset + 7 * i) % 251 for i in range(n)]
+
+    m.admit("a", ids(40))
+    m.commit_step(["a"], [40], [1])
+    m.release("a")  # its turn end at 40 kept in state block 0
+    for rid, offset in (("x", 5), ("y", 6)):  # "y" takes the kept state block: spilled to block 8
+        assert m.admit(rid, ids(32, offset)) is not None
+    assert m.take_spills() == [(0, 8)] and g.num_spills == 1
+    for rid in ("x", "y"):
+        m.commit(rid, 32)
+        m.release(rid)  # (both end on a span boundary: nothing kept)
+    follow_up = ids(40) + [1, 2, 3]
+    assert m.group_hit_points(follow_up) == {"v4": [0, 16, 32, 40]}
+    h = m.admit("h", ids(32) + [9])  # holds spans 0 and 1 (blocks 0, 1)
+    assert h is not None and h.num_cached_tokens == 32 and h.groups["v4"].block_ids == (0, 1)
+    assert m.admit("z", ids(80, 9), 0) is not None
+    before = _held(m)
+    res = m.reserve("z", 16)
+    assert res is not None and res.groups["v4"].new_block_ids == (8,)  # the spill's block, evicted
+    assert m.group_hit_points(follow_up) == {"v4": [0, 16, 32]}  # the probe unlists the dead spill
+    assert g._spills.num_listed() == 0
+    m.check_integrity()
+    m.unreserve("z")
+    assert _held(m) == before and m.pool.refcount(8) == 0
+    assert g._spills.num_listed() == 1 and m.group_hit_points(follow_up) == {"v4": [0, 16, 32, 40]}
+    m.check_integrity()
+    m.release("h")
+    b = m.admit("b", follow_up)
+    assert b is not None and b.num_cached_tokens == 40
+    assert b.groups["v4"].restore == StateRestore(b.groups["v4"].restore.state_slot, "checkpoint", 8, whole=True)
+    assert g.num_spill_hits == 1
+    m.check_integrity()
+
+
+class _DearCheckpoints:
+    """A restore cost whose checkpoint copy costs more than any replay here."""
+
+    version = 0
+
+    def checkpoint_cost(self) -> float:
+        return 100.0
+
+    def compute_cost(self, num_tokens: int, context_len: int) -> float:
+        return float(num_tokens)
+
+
+@pytest.mark.parametrize(
+    "kw, slots, method",
+    [
+        ({"restore": "auto"}, 10, "checkpoint"),  # the checkpoint at 16, priced no dearer than a replay
+        ({"restore": "auto", "restore_cost": _DearCheckpoints()}, 10, "recompute"),  # priced dearer
+        ({"restore": "auto"}, 4, "recompute"),  # "b"'s checkpoints took the slots of 8 and 16
+        ({"restore": "checkpoint"}, 10, "checkpoint"),
+        ({"restore": "recompute"}, 0, "recompute"),
+    ],
+)
+def test_a_dual_pool_admitted_below_its_own_cut_restores_there(kw: dict, slots: int, method: str) -> None:
+    # A full-attention group (blocks of 4) beside V4's dual pool (spans of 8, replay 2): "b"'s
+    # prefill evicts "a"'s full blocks past 16 but none of its spans, so "c" (a's prompt and
+    # one more token) is admitted at 16, below the 32 the dual pool's own hit reaches (looked
+    # up first, unbounded: listed first, both groups read the whole prefix). Its
+    # restore there: a checkpoint held at 16 (auto: when priced no dearer than the replay),
+    # else the replay of the 2 tokens before 16.
+    from kvpool.cache.dual_pool import DualPoolGroupSpec
+
+    v4 = DualPoolGroupSpec("v4", 8, replay_len=2, num_checkpoints=slots, **kw)
+    m = HybridCacheManager([(v4, (12, 4)), (AttentionGroupSpec("full", 4), 16)], DESC)  # (v4 looked up first)
+    g = m.groups["v4"]
+    a = list(range(100, 133))
+    adm = m.admit("a", a)
+    assert adm is not None
+    m.commit_step(["a"], [33], [1])
+    m.release("a")
+    checkpointed = dict(adm.groups["v4"].checkpoints)  # position -> slot
+    assert sorted(checkpointed) == ([] if not slots else [8, 16, 24, 32])
+    assert m.admit("b", list(range(200, 248))) is not None
+    m.commit_step(["b"], [48], [1])
+    m.release("b")
+    hits = m.group_hit_points(a + [5])
+    assert hits["full"] == [0, 4, 8, 12, 16] and hits["v4"][-1] == 32
+    span_1 = adm.groups["v4"].block_ids[1]  # (a checkpoint at 16 is filed under the block of span 1)
+    held_16 = any(ck.block.block_ids == (span_1,) for ck in g._checkpoints.values())
+    assert held_16 == (slots == 10)
+    for i in range(4):  # every state block taken (nothing reserved: no other block): "c" waits
+        assert m.admit(f"hold{i}", [400 + i], 0) is not None
+    before = _held(m)
+    assert m.admit("c", a + [5]) is None
+    assert _held(m) == before
+    for i in range(4):
+        m.release(f"hold{i}")
+    c = m.admit("c", a + [5])
+    assert c is not None and c.num_cached_tokens == 16 and c.num_scheduled_tokens == 18
+    restore = c.groups["v4"].restore
+    assert c.groups["v4"].block_ids[:2] == adm.groups["v4"].block_ids[:2] and restore.method == method  # a's spans
+    if method == "checkpoint":
+        assert restore == StateRestore(restore.state_slot, "checkpoint", checkpointed[16])
+    else:
+        assert restore == StateRestore(restore.state_slot, "recompute", replay_start=14)
+    m.check_integrity()
+    m.commit_step(["c"], [18], [2])
+    m.check_integrity()
+    assert m.group_hit_points(a + [5, 6])["full"][-1] == 32
+
+
+def test_a_dual_pool_admitted_below_its_cut_at_a_swap_boundary_without_a_checkpoint_replays() -> None:
+    # Restoring by checkpoint only, "b"'s checkpoints evict those of "a" at 8, 16 and 24 (7
+    # slots): the dual pool's hit of a's prompt is cut at 32 (a's checkpoint there), and a
+    # swapped-out state waiting at 16 (a boundary with no checkpoint) makes 16 a point it
+    # serves. The full group's hit ends at 16, so "c" is admitted there, below the cut: with
+    # no checkpoint to copy, its state must be replayed (as the cut restores at a swap
+    # boundary without one). Before the fix its restore was none: 16 tokens counted as
+    # computed in a state block nobody wrote.
+    from kvpool.cache.dual_pool import DualPoolGroupSpec
+
+    v4 = DualPoolGroupSpec("v4", 8, replay_len=2, restore="checkpoint", num_checkpoints=7)
+    m = HybridCacheManager([(v4, (12, 4)), (AttentionGroupSpec("full", 4), 16)], DESC)
+    g = m.groups["v4"]
+    a = list(range(100, 133))
+    adm = m.admit("a", a)
+    assert adm is not None
+    m.commit_step(["a"], [33], [1])
+    m.release("a")
+    assert m.admit("b", list(range(200, 248))) is not None
+    m.commit_step(["b"], [48], [1])
+    m.release("b")
+    assert m.group_hit_points(a + [5]) == {"v4": [0, 32], "full": [0, 4, 8, 12, 16]}
+    span_1 = g.pool.prefix_block(adm.groups["v4"].block_ids[1])  # the boundary at 16
+    assert span_1 is not None and all(ck.block is not span_1 for ck in g._checkpoints.values())
+    g.hold_swapped(g.pool.chain(span_1, bytes(4), b""), True)  # a state swapped out at 16 + 1
+    assert m.group_hit_points(a + [5]) == {"v4": [0, 16, 32], "full": [0, 4, 8, 12, 16]}
+    c = m.admit("c", a + [5])
+    assert c is not None and c.num_cached_tokens == 16
+    assert c.groups["v4"].restore == StateRestore(c.groups["v4"].restore.state_slot, "recompute", replay_start=14)
     m.check_integrity()

@@ -540,8 +540,8 @@ class DualPoolGroup(CacheGroup):
                     method = hits.method
                 elif self.spec.restore == "auto" and ckpt is not None:
                     method = choose_restore(point, point, self.spec.replay_len, self.restore_cost).method
-                else:
-                    method = "checkpoint" if self.spec.restore == "checkpoint" else "recompute"
+                else:  # (restoring by checkpoint, a swapped state's boundary may have none: a replay there)
+                    method = "checkpoint" if self.spec.restore == "checkpoint" and ckpt is not None else "recompute"
                 if method == "checkpoint":
                     plan.checkpoint = ckpt
                 else:
