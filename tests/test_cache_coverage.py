@@ -642,3 +642,103 @@ def test_a_dual_pool_admitted_below_its_cut_at_a_swap_boundary_without_a_checkpo
     assert c is not None and c.num_cached_tokens == 16
     assert c.groups["v4"].restore == StateRestore(c.groups["v4"].restore.state_slot, "recompute", replay_start=14)
     m.check_integrity()
+
+
+def _v4_turn_end(spill: bool) -> HybridCacheManager:
+    """A V4 cache whose "a" finished at 40 (a turn end kept in state block 0, checkpoints
+    pooled a block each); spill: "x" and "y" admitted after it, "y" taking the kept state
+    block, so its turn end is spilled to classical block 8."""
+    from kvpool.cache import DSV4CacheManager
+    from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+    from kvpool.spec.dsv4 import DSV4Spec
+
+    spec = DSV4Spec.from_config(SMALL_DSV4_CONFIG)
+    desc = CacheDescriptor("small-dsv4")
+    m = DSV4CacheManager(spec, 12, 2, desc, restore="auto", checkpoint_blocks=1, turn_end_checkpoints=True)
+    m.admit("a", [7 * i % 251 for i in range(40)])
+    m.commit_step(["a"], [40], [1])
+    m.release("a")
+    if spill:
+        for rid, offset in (("x", 5), ("y", 6)):
+            assert m.admit(rid, [(offset + 7 * i) % 251 for i in range(32)]) is not None
+        assert m.take_spills() == [(0, 8)]
+    m.check_integrity()
+    return m
+
+
+def _unlist(turn_ends, block) -> None:
+    """Unlist a live entry (a corruption: `TurnEnds` unlists dead ones only)."""
+    del turn_ends._by_parent[block.parent.block_hash]
+    turn_ends._num_listed -= 1
+
+
+def _spilled_parts(m: HybridCacheManager) -> None:
+    g = m.groups["v4"]
+    key, ckpt = next(iter(g._spilled.items()))
+    g._spilled[key] = dataclasses.replace(ckpt, parts=())
+
+
+def _spilled_key(m: HybridCacheManager) -> None:
+    g = m.groups["v4"]
+    g._spilled[b"other"] = next(iter(g._spilled.values()))
+
+
+def _spilled_slot(m: HybridCacheManager) -> None:
+    g = m.groups["v4"]
+    key, ckpt = next(iter(g._spilled.items()))
+    g._spilled[key] = dataclasses.replace(ckpt, slot=ckpt.slot + 1)
+
+
+def _spilled_unlisted(m: HybridCacheManager) -> None:
+    g = m.groups["v4"]
+    _unlist(g._spills, next(iter(g._spilled.values())).block)
+
+
+def _kept_unlisted(m: HybridCacheManager) -> None:
+    g = m.groups["v4"]
+    kept = g.state_pool.prefix_block(0)
+    assert kept is not None
+    _unlist(g._turn_ends, kept)
+
+
+def _checkpoint_part(m: HybridCacheManager) -> None:
+    g = m.groups["v4"]
+    key, ckpt = next(iter(g._checkpoints.items()))
+    g._checkpoints[key] = dataclasses.replace(ckpt, parts=(ckpt.block,))  # (a part whose parent is not the block)
+
+
+@pytest.mark.parametrize(
+    "spill, corrupt, message",
+    [
+        (True, _spilled_parts, r"spilled turn end [0-9a-f]{12} is not 1 parts"),
+        (True, _spilled_key, r"spilled turn end 6f74686572 is not 1 parts"),
+        (True, _spilled_slot, r"spilled turn end [0-9a-f]{12} is not findable as filed"),
+        (True, _spilled_unlisted, r"spilled turn end [0-9a-f]{12} is not findable as filed"),
+        (False, _kept_unlisted, r"group 'v4': kept state block 0 is not findable once \(copies \(0,\)\)"),
+        (False, _checkpoint_part, r"checkpoint of [0-9a-f]{12} lost a part: it is not findable"),
+    ],
+)
+def test_dual_pool_check_integrity_finds_each_kind_of_turn_end_and_checkpoint_corruption(
+    spill: bool, corrupt, message: str
+) -> None:
+    m = _v4_turn_end(spill)
+    corrupt(m)
+    with pytest.raises(AssertionError, match=message):
+        m.check_integrity()
+
+
+def test_dual_pool_check_integrity_finds_a_checkpoint_slot_nobody_holds() -> None:
+    from kvpool.cache import DSV4CacheManager
+    from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+    from kvpool.spec.dsv4 import DSV4Spec
+
+    spec = DSV4Spec.from_config(SMALL_DSV4_CONFIG)  # span 16: checkpoints at 16 and 32 in 2 of 3 slots
+    m = DSV4CacheManager(spec, 11, 3, CacheDescriptor("small-dsv4"), restore="checkpoint", num_checkpoints=3)
+    assert m.admit("a", list(range(40))) is not None
+    m.commit_step(["a"], [40], [1])
+    m.check_integrity()
+    g = m.groups["v4"]
+    (slot,) = g.checkpoint_pool.allocate(1)  # the unhashed one: no checkpoint evicted, the pool whole
+    g.checkpoint_pool.check_integrity()
+    with pytest.raises(AssertionError, match=rf"checkpoint slot {3 + slot} has refcount 1, held 0 times"):
+        m.check_integrity()
