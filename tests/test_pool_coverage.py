@@ -117,3 +117,38 @@ def test_dual_pool_spec_and_restore_choice_refusals() -> None:
     with pytest.raises(ValueError, match="need 0 <= checkpoint_len <= hit_len, got 8 and 4"):
         choose_restore(4, 8, 16, cost)
     assert tuple(choose_restore(0, 0, 16, cost)) == (0, "none")
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_stale_orphan_gives_way_to_its_content_published_again(held: bool) -> None:
+    # "b" (block 1) stays in the index after its parent "a" (block 0) is evicted: a stale
+    # orphan, no walk from the root reaches it. "a" computed again (block 2) and "b" after it
+    # (block 3): the new "b" takes the hash (no collision counted) and every copy of the old
+    # one is unregistered: a free one becomes an unhashed free block, a held one stays held
+    # and is freed unhashed at its release.
+    pool = BlockPool(4)
+    root = pool.root(b"desc")
+    assert pool.allocate(2) == [0, 1]
+    a = pool.publish(0, root, token_bytes([1, 2]))
+    b = pool.publish(1, a, token_bytes([3, 4]))
+    pool.decref([0])
+    if not held:
+        pool.decref([1])
+    assert pool.allocate(3) == [2, 3, 0]  # the unhashed blocks, then block 0: "a" evicted
+    assert not a.is_live and b.block_ids == (1,) and pool.lookup(b) is b
+    pool.check_integrity()
+    a2 = pool.publish(2, root, token_bytes([1, 2]))
+    assert a2 is not a and a2.block_hash == a.block_hash
+    b2 = pool.publish(3, a2, token_bytes([3, 4]))
+    assert b2 is not b and b2.block_hash == b.block_hash and b2.block_ids == (3,)
+    assert b.block_ids == () and pool.block_hash(1) is None and pool.lookup(b2) is b2
+    assert pool.num_collisions == 0
+    assert pool.refcount(1) == (1 if held else 0) and (1 in pool.free_queue()) is not held
+    pool.check_integrity()
+    if held:
+        pool.decref([1])
+        assert pool.block_hash(1) is None and 1 in pool.free_queue()
+        pool.check_integrity()
+    pool.decref([3, 2, 0])
+    assert pool.match(root, token_bytes([1, 2, 3, 4]), 2 * 4, 2, None).block_ids == [2, 3]
+    pool.check_integrity()

@@ -670,9 +670,8 @@ class BlockPool:
             cached.block_ids = ()
             del self._index[cached.block_hash]
             return
+        # (one of two or more copies, each id once (`register` refuses a registered block): some remain)
         cached.block_ids = tuple(b for b in cached.block_ids if b != block_id)
-        if not cached.block_ids:
-            del self._index[cached.block_hash]
 
     def _forget(self, block: PrefixBlock) -> None:
         """Unregister every copy of `block` (its prefix is gone: nobody can reach it)."""
