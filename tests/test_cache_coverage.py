@@ -742,3 +742,32 @@ def test_dual_pool_check_integrity_finds_a_checkpoint_slot_nobody_holds() -> Non
     g.checkpoint_pool.check_integrity()
     with pytest.raises(AssertionError, match=rf"checkpoint slot {3 + slot} has refcount 1, held 0 times"):
         m.check_integrity()
+
+
+def test_pending_reservation_of_a_cache_of_blocks_is_the_rest_of_its_last_block() -> None:
+    # Block-granular (exact_steps False), blocks of 4: a commit inside a block leaves the rest
+    # of it reserved, and pending_reservation names that rest (no block new); it is a real
+    # reservation: a commit into it needs no reserve, a commit past it is refused. None once
+    # a commit ends on a block's end, and after a prefill that ends there.
+    m = FullAttentionManager(16, 4, DESC)
+    _prefill(m, "a", list(range(6)))
+    _prefill(m, "b", list(range(10, 18)))
+    assert m.pending_reservation("a") == Reservation(6, 2, {"full": NO_RESERVATION})
+    assert m.pending_reservation("b") is None and m.num_reserved_tokens("b") == 8
+    m.append_token_ids("b", [1])
+    before = _frozen(m)
+    with pytest.raises(ValueError, match="request 'b': commit of 1 tokens from position 8: 0 reserved"):
+        m.commit("b", 1)
+    assert _frozen(m) == before
+    m.append_token_ids("a", [7, 8, 9])
+    assert m.slot_mapping("a", 6, 8) == [m.block_ids("a")[1] * 4 + 2, m.block_ids("a")[1] * 4 + 3]
+    m.commit("a", 1)  # no reserve: position 6 was reserved
+    m.check_integrity()
+    assert m.pending_reservation("a") == Reservation(7, 1, {"full": NO_RESERVATION})
+    with pytest.raises(ValueError, match="request 'a': commit of 2 tokens from position 7: 1 reserved"):
+        m.commit("a", 2)
+    m.commit("a", 1)
+    assert m.pending_reservation("a") is None and m.num_reserved_tokens("a") == m.num_computed_tokens("a") == 8
+    assert m.reserve_step(["a"], [1])  # a block new (in the table: an attention group keeps no part)
+    assert m.pending_reservation("a") == Reservation(8, 4, {"full": NO_RESERVATION}) and len(m.block_ids("a")) == 3
+    m.check_integrity()

@@ -689,8 +689,14 @@ class HybridCacheManager:
         return RequestPart(g, req.states[g.name], req.token_ids, req.mm_items, req.num_computed)
 
     def pending_reservation(self, request_id: str) -> Reservation | None:
-        """The request's reserved, uncommitted step (None when none): its positions and each
-        group's part, where the group keeps it (`CacheGroup.pending`)."""
+        """The request's reserved, uncommitted positions [num_computed, num_reserved) and each
+        group's part of the step that reserved them, where the group keeps it
+        (`CacheGroup.pending`; an attention group keeps none: its table is its part); None
+        when nothing is reserved past the computed tokens. Block-granular reservations
+        (exact_steps False) keep the rest of the last block reserved after a commit inside
+        it (a commit there needs no `reserve` first): that rest, whose step is committed
+        (no group's part left), until a commit ends on a block's end. Exact steps: None
+        after each commit."""
         req = self._get(request_id)
         if req.end == req.num_computed:
             return None
