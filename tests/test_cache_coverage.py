@@ -771,3 +771,30 @@ def test_pending_reservation_of_a_cache_of_blocks_is_the_rest_of_its_last_block(
     assert m.reserve_step(["a"], [1])  # a block new (in the table: an attention group keeps no part)
     assert m.pending_reservation("a") == Reservation(8, 4, {"full": NO_RESERVATION}) and len(m.block_ids("a")) == 3
     m.check_integrity()
+
+
+def test_an_undone_step_takes_its_evictions_back_from_the_lower_tier_record() -> None:
+    # With a lower tier, the cached blocks an allocation evicts are recorded for it
+    # (take_evicted). "z"'s step evicts a's two spans; undone, they are cached again, so the
+    # record drops them (the tier need not keep them) and a's prefix is hit again.
+    from kvpool.cache import DSV4CacheManager
+    from kvpool.engine import tier_bridge
+    from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+    from kvpool.spec.dsv4 import DSV4Spec
+
+    spec = DSV4Spec.from_config(SMALL_DSV4_CONFIG)  # span 16
+    m = DSV4CacheManager(spec, 4, 2, CacheDescriptor("small-dsv4"), lower_tier=object())  # type: ignore[arg-type]
+    a = list(range(33))
+    assert m.admit("a", a) is not None
+    m.commit_step(["a"], [33], [1])
+    m.release("a")
+    assert tier_bridge.take_evicted(m) == [] and m.group_hit_points(a) == {"v4": [0, 16, 32]}
+    assert m.admit("z", list(range(100, 165)), 0) is not None
+    before = _held(m)
+    res = m.reserve("z", 64)  # 4 blocks: the 2 unhashed, then a's 2 spans evicted
+    assert res is not None and len(res.groups["v4"].new_block_ids) == 4
+    assert len(m.groups["v4"]._evicted) == 2 and m.group_hit_points(a) == {"v4": [0]}
+    m.unreserve("z")
+    assert _held(m) == before
+    assert tier_bridge.take_evicted(m) == [] and m.group_hit_points(a) == {"v4": [0, 16, 32]}
+    m.check_integrity()
