@@ -798,3 +798,48 @@ def test_an_undone_step_takes_its_evictions_back_from_the_lower_tier_record() ->
     assert _held(m) == before
     assert tier_bridge.take_evicted(m) == [] and m.group_hit_points(a) == {"v4": [0, 16, 32]}
     m.check_integrity()
+
+
+def test_a_spilled_turn_end_missing_a_part_is_not_served() -> None:
+    # Spills of 2 classical blocks: a's turn end at 40 spilled to blocks 8 (part 0) and 9
+    # (part 1). "z"'s step (2 spans, 2 pooled snapshots) takes the 2 unhashed blocks, then 2
+    # and 9: part 0 is still findable, part 1 gone, so 40 is no point served (the copy would
+    # read a slot another request writes). Undone, part 1 is back and 40 served again.
+    from kvpool.cache import DSV4CacheManager
+    from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+    from kvpool.spec.dsv4 import DSV4Spec
+
+    spec = DSV4Spec.from_config(SMALL_DSV4_CONFIG)  # span 16
+    desc = CacheDescriptor("small-dsv4")
+    kw = {"restore": "auto", "checkpoint_blocks": 1, "spill_blocks": 2, "turn_end_checkpoints": True}
+    m = DSV4CacheManager(spec, 16, 2, desc, **kw)
+    g = m.groups["v4"]
+
+    def ids(n: int, offset: int = 0) -> list[int]:
+        return [(offset + 7 * i) % 251 for i in range(n)]
+
+    m.admit("a", ids(40))
+    m.commit_step(["a"], [40], [1])
+    m.release("a")
+    for rid, offset in (("x", 5), ("y", 6)):
+        assert m.admit(rid, ids(32, offset)) is not None
+    assert m.take_spills() == [(0, 8)]
+    (ckpt,) = g._spilled.values()
+    assert [p.block_ids for p in ckpt.parts] == [(8,), (9,)]
+    for rid in ("x", "y"):
+        m.commit(rid, 32)
+        m.release(rid)
+    follow_up = ids(40) + [1, 2, 3]
+    assert m.group_hit_points(follow_up) == {"v4": [0, 16, 32, 40]}
+    h = m.admit("h", ids(32) + [9])  # holds spans 0 and 1 (blocks 0, 1)
+    assert h is not None and h.groups["v4"].block_ids == (0, 1)
+    assert m.admit("z", ids(80, 9), 0) is not None
+    before = _held(m)
+    assert m.reserve("z", 32) is not None
+    assert [p.block_ids for p in ckpt.parts] == [(8,), ()]
+    assert m.group_hit_points(follow_up) == {"v4": [0, 16, 32]}
+    m.check_integrity()
+    m.unreserve("z")
+    assert _held(m) == before and [p.block_ids for p in ckpt.parts] == [(8,), (9,)]
+    assert m.group_hit_points(follow_up) == {"v4": [0, 16, 32, 40]}
+    m.check_integrity()
