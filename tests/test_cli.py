@@ -15,7 +15,8 @@ def test_cli_reports_a_callers_mistake_in_one_line(capsys):
     # a bench's errors name the bench
     assert main(["bench", "engine", "--model", "tiny-dsv4"]) == 2
     assert capsys.readouterr().err.startswith(
-        "kvpool bench engine: error: bench engine runs smollm2-135m, a Llama GGUF or an HF model directory; "
+        "kvpool bench engine: error: bench engine runs smollm2-135m, a Llama-, Qwen2- or Qwen3-architecture GGUF or "
+        "an HF model directory; "
     )
 
 
@@ -54,7 +55,8 @@ def test_a_tiny_model_a_command_does_not_run_is_named(capsys):
             name = " ".join(command[:2]) if command[0] != "generate" else "generate"
             assert capsys.readouterr().err == (
                 f"kvpool {name}: error: --model {model} is a built-in tiny hybrid model with no tokenizer; this "
-                "command runs smollm2-135m, a Llama-architecture GGUF file or an HF model directory (a folder with "
+                "command runs smollm2-135m, a Llama-, Qwen2- or Qwen3-architecture GGUF file or an HF model directory "
+                "(a folder with "
                 "a config.json) (kvpool run runs tiny-gemma2 and tiny-recurrent)\n"
             )
 

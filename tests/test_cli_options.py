@@ -228,14 +228,17 @@ def test_a_model_the_engine_cannot_run_is_told_an_hf_directory_runs(capsys: pyte
     hf = "an HF model directory (a folder with a config.json)"
     cases = [
         (["generate", "hi", "--model", "qwen2-dir"], f"a GGUF file (a path ending in .gguf) or {hf}"),
-        (["run", "--model", "llama-3.1-8b"], f"a Llama-architecture GGUF file or {hf} (plan and simulate take"),
+        (
+            ["run", "--model", "llama-3.1-8b"],
+            f"a Llama-, Qwen2- or Qwen3-architecture GGUF file or {hf} (plan and simulate take",
+        ),
         (
             ["serve", "--model", "qwen2-dir"],
             f"this command runs smollm2-135m, a GGUF file (a path ending in .gguf) or {hf}",
         ),
         (
             ["serve", "--model", "tiny-gemma2"],
-            "a Llama-architecture GGUF file or an HF model directory with a tokenizer.json",
+            "a Llama-, Qwen2- or Qwen3-architecture GGUF file or an HF model directory with a tokenizer.json",
         ),
     ]
     for argv, words in cases:

@@ -100,7 +100,7 @@ class LLM:
     """A loaded model and an engine over it.
 
     model: "smollm2-135m" or None (the embedded SmolLM2-135M-Instruct), the path of a
-    Llama-architecture GGUF file, or an HF model directory (config.json, safetensors,
+    Llama-, Qwen2- or Qwen3-architecture GGUF file, or an HF model directory (config.json, safetensors,
     tokenizer.json). kv_cache_bytes: the KV pool's memory (256 MiB by default,
     as `kvpool run`); block_size, max_num_seqs, max_num_batched_tokens and
     enable_prefix_caching as the engine's (vLLM's names); kv_cache_dtype: a KV storage

@@ -36,7 +36,8 @@ def measure(
     threads: int | None = None,
     progress: Progress = no_progress,
 ) -> dict:
-    """The parts asked for, on `model` (a Llama GGUF file; None: the embedded SmolLM2-135M):
+    """The parts asked for, on `model` (a Llama-, Qwen2- or Qwen3-architecture GGUF file; None:
+    the embedded SmolLM2-135M):
     {"threads", "dtype", "kernels", and one section per part}. `block_size` is the engine's
     (parts 1 and 2), `attn_*` the attention comparison's; `skip_hf` leaves transformers out
     (no ratios in part 1); `threads`: torch CPU threads (None: torch's choice)."""
@@ -47,8 +48,8 @@ def measure(
 
     if model == "tiny-dsv4":
         raise ValueError(
-            "bench engine runs smollm2-135m, a Llama GGUF or an HF model directory; the tiny V4 model is "
-            "benchmarked by kvpool bench dsv4"
+            "bench engine runs smollm2-135m, a Llama-, Qwen2- or Qwen3-architecture GGUF or an HF model directory; "
+            "the tiny V4 model is benchmarked by kvpool bench dsv4"
         )
     parts = set(parts)
     if parts - set(PARTS):

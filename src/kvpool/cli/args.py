@@ -387,7 +387,8 @@ _DSV4_KV_DTYPE_HELP = (
 )
 _LOSSY_KV_DTYPE_HELP = "Formats other than fp32 are lossy; fp16 saturates K / V values past +-65,504"
 ENGINE_KV_DTYPE_HELP = "SmolLM2: " + _LLAMA_KV_DTYPE_HELP + _DSV4_KV_DTYPE_HELP + _LOSSY_KV_DTYPE_HELP
-# kvpool serve's: it runs SmolLM2 or a Llama GGUF, never tiny-dsv4 (and takes no --indexer-format)
+# kvpool serve's: it runs SmolLM2 or a Llama-, Qwen2- or Qwen3-architecture GGUF, never tiny-dsv4 (and takes no
+# --indexer-format)
 SERVE_KV_DTYPE_HELP = _LLAMA_KV_DTYPE_HELP + _LOSSY_KV_DTYPE_HELP
 
 

@@ -362,7 +362,7 @@ def engine_model(text: str, runs: tuple[str, ...] = ENGINE_MODELS) -> str:
     if name.lower() in PRESET_NAMES and not os.path.exists(name):
         raise argparse.ArgumentTypeError(
             f"{name!r} is a planner preset (a config, no weights); {who} runs {', '.join(runs)}, "
-            f"a Llama-architecture GGUF file or {HF_DIRECTORY} (plan and simulate take presets)"
+            f"a Llama-, Qwen2- or Qwen3-architecture GGUF file or {HF_DIRECTORY} (plan and simulate take presets)"
         )
     # a Hugging Face id as vLLM takes it ("HuggingFaceTB/SmolLM2-135M-Instruct"): no file here,
     # and nothing is downloaded; the loader's "GGUF file not found" named no model that runs
@@ -391,7 +391,8 @@ def gguf_path(model: str | None) -> str | None:
     if model in ENGINE_MODELS and model not in (DEFAULT_MODEL, "tiny-dsv4"):  # (each command names tiny-dsv4's own)
         raise ValueError(
             f"--model {model} is a built-in tiny hybrid model with no tokenizer; this command runs {DEFAULT_MODEL}, "
-            f"a Llama-architecture GGUF file or {HF_DIRECTORY} (kvpool run runs tiny-gemma2 and tiny-recurrent)"
+            f"a Llama-, Qwen2- or Qwen3-architecture GGUF file or {HF_DIRECTORY} (kvpool run runs tiny-gemma2 and "
+            "tiny-recurrent)"
         )
     return None if model in (None, DEFAULT_MODEL) else model
 
@@ -432,8 +433,9 @@ def add_engine_model_option(
         MODEL,
         default=DEFAULT_MODEL,
         type=model,
-        note=f"{DEFAULT_MODEL} (the embedded SmolLM2-135M-Instruct), a Llama-architecture GGUF file, or an HF "
-        "model directory of a Llama / Mistral / Qwen2 / Qwen3 (config.json, safetensors, tokenizer.json)" + note,
+        note=f"{DEFAULT_MODEL} (the embedded SmolLM2-135M-Instruct), a Llama-, Qwen2- or Qwen3-architecture GGUF "
+        "file, or an HF model directory of a Llama / Mistral / Qwen2 / Qwen3 (config.json, safetensors, tokenizer.json)"
+        + note,
     )
 
 

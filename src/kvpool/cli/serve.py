@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model in ENGINE_MODELS and args.model != DEFAULT_MODEL:
         raise ValueError(
             f"--model {args.model} has no tokenizer or chat template; kvpool serve runs {DEFAULT_MODEL}, a "
-            "Llama-architecture GGUF file or an HF model directory with a tokenizer.json"
+            "Llama-, Qwen2- or Qwen3-architecture GGUF file or an HF model directory with a tokenizer.json"
         )
     model_placement(args)  # --device cuda without a GPU: refused before the socket is bound
     if args.served_model_name is not None and not args.served_model_name.strip():
