@@ -16,7 +16,7 @@ import pytest
 
 from hf_tiny import LLAMA2_TEMPLATE, SPM_CORPUS, save_spm_tokenizer, spm_tokenizer
 from kvpool.models.gguf import read_tokenizer
-from kvpool.models.tokenizer import build_tokenizer, check_tokenizer_kind
+from kvpool.models.tokenizer import build_tokenizer, check_tokenizer_kind, spm_merges
 from kvpool.server.protocol import decoded_bytes
 from kvpool.server.text_stream import TextStream
 from test_hf_spm import MESSAGES, TEXTS, _reference
@@ -24,10 +24,13 @@ from test_hf_spm import MESSAGES, TEXTS, _reference
 transformers = pytest.importorskip("transformers")
 
 
-def write_spm_gguf(path, add_bos: bool | None = True, add_eos: bool | None = None, scores: bool = True) -> str:
+def write_spm_gguf(
+    path, add_bos: bool | None = True, add_eos: bool | None = None, scores: bool = True, tied: bool = False
+) -> str:
     """hf_tiny's SentencePiece-style tokenizer as GGUF tokenizer metadata: <unk> unknown (type 2),
     <s> </s> control (3), the <0xNN> tokens bytes (6), every other piece normal (1) scored by the
-    merge that made it (the first merge highest; characters below every merge)."""
+    merge that made it (the first merge highest; characters below every merge); `tied`: every
+    token scored -1000, as gguf-py's converter of a checkpoint without a tokenizer.model writes."""
     spec = json.loads(spm_tokenizer().to_str())
     vocab = spec["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
@@ -39,6 +42,8 @@ def write_spm_gguf(path, add_bos: bool | None = True, add_eos: bool | None = Non
         2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if 3 <= i < 259 else 1 for i, t in enumerate(tokens)
     ]
     values = [0.0 if types[i] != 1 else -float(made.get(t, len(made) + i)) for i, t in enumerate(tokens)]
+    if tied:
+        values = [-1000.0] * len(tokens)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
@@ -124,6 +129,28 @@ def test_a_llama_gguf_without_scores_or_bytes_is_refused_in_one_line(tmp_path):
         build_tokenizer(replace(data, token_types=tuple(1 if k == 6 else k for k in data.token_types)))
     with pytest.raises(ValueError, match=r"unsupported GGUF tokenizer model 'bert'.*'gpt2'.*'llama'"):
         check_tokenizer_kind("bert", "default")
+
+
+def test_a_llama_gguf_whose_merged_pieces_share_a_score_is_refused_in_one_line(tmp_path, reference):
+    """llama.cpp breaks a tie of scores by the leftmost pair in the text, which ranked BPE merges
+    cannot: with every score -1000 the GGUF is refused; the same vocabulary with distinct scores
+    (a tokenizer.model's) encodes as its tokenizer.json."""
+    with pytest.raises(ValueError) as refused:
+        gguf_tokenizer(write_spm_gguf(tmp_path / "tied.gguf", tied=True))
+    message = str(refused.value)
+    assert "\n" not in message and "same score (-1000)" in message and "leftmost" in message
+    tok = gguf_tokenizer(write_spm_gguf(tmp_path / "distinct.gguf"))
+    for text in TEXTS:
+        assert tok.encode(text) == reference(text).input_ids
+
+
+def test_a_tie_of_scores_is_refused_where_the_ranked_merges_would_differ_from_llama_cpp():
+    """The review's case: pieces ▁ a b c bc ab of one score; "abc" is [▁, ab, c] by llama.cpp's
+    leftmost rule, and [▁, a, bc] by ids ranked in their order: refused. Distinct scores rank."""
+    tokens = ("\u2581", "a", "b", "c", "bc", "ab")
+    with pytest.raises(ValueError, match="'bc' and 'ab' the same score"):
+        spm_merges(tokens, (-1.0,) * 6, set(range(6)))
+    assert spm_merges(tokens, (-1.0, -1.0, -1.0, -1.0, -3.0, -2.0), set(range(6))) == [("a", "b"), ("b", "c")]
 
 
 def test_generate_on_a_llama_gguf_with_a_sentencepiece_tokenizer_streams_its_decode(

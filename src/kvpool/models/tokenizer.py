@@ -18,6 +18,7 @@ llama.cpp reads it (_build_spm).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -241,8 +242,14 @@ def spm_merges(tokens: tuple[str, ...], scores: tuple[float, ...], pieces: set[i
     """The BPE merges that encode as SentencePiece's BPE does, from the token scores: it joins,
     again and again, the two neighbours whose joined text is the piece of highest score. So a
     merge is any split of a piece into two pieces, ranked by the joined piece's score (highest
-    first; equal scores: the lower id, then the split further left). `pieces`: the ids that take
-    part (normal tokens: not control, byte or unused ones)."""
+    first; one piece's splits: the split further left first). `pieces`: the ids that take part
+    (normal tokens: not control, byte or unused ones).
+
+    ValueError where two pieces that merges make share a score: llama.cpp (as SentencePiece)
+    then joins the leftmost of the tied neighbours in the text first, an order that ranked
+    merges cannot express (the lower id first would encode other tokens than llama.cpp does).
+    gguf-py writes such scores (-1000 for every token) for a checkpoint with a tokenizer.json
+    and no tokenizer.model; a tokenizer.model's pieces have distinct scores."""
     known = {tokens[i]: i for i in pieces}
     ranked = []
     for i in pieces:
@@ -251,6 +258,13 @@ def spm_merges(tokens: tuple[str, ...], scores: tuple[float, ...], pieces: set[i
             if text[:cut] in known and text[cut:] in known:
                 ranked.append((-scores[i], i, cut))
     ranked.sort()
+    for (score, i, _), (next_score, j, _) in itertools.pairwise(ranked):
+        if score == next_score and i != j:
+            raise ValueError(
+                f"the GGUF's 'llama' tokenizer gives the pieces {tokens[i]!r} and {tokens[j]!r} the same score "
+                f"({-score:g}): llama.cpp joins equal-score pieces leftmost in the text first, which kvpool's "
+                "ranked merges cannot do (its tokenizer.ggml.scores are not a tokenizer.model's)"
+            )
     return [(tokens[i][:cut], tokens[i][cut:]) for _, i, cut in ranked]
 
 
