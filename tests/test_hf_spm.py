@@ -8,6 +8,8 @@ Llama directory with it through `kvpool generate` and `kvpool serve`."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import random
@@ -601,3 +603,114 @@ def test_a_malformed_added_tokens_decoder_is_refused_naming_the_file(tmp_path, d
     save_spm_tokenizer(tmp_path / "t", added_tokens_decoder=decoder)
     with pytest.raises(ValueError, match=r"t/tokenizer_config\.json: " + match):
         load_hf_tokenizer(tmp_path / "t")
+
+
+@functools.cache
+def _random_llama(config):
+    from random_llama import random_llama
+
+    return random_llama(config=config)
+
+
+def _stopping_engine(tok, script: list[int]):
+    """An engine over a random Llama that samples `script` (one id a position), stopping on
+    the tokenizer's text as the built engine does (decode_text, textless_ids, byte_fallback)."""
+    from kvpool.engine.build import _byte_fallback
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import llama_runner
+    from random_llama import CONFIG, DESCRIPTOR
+
+    specials = [i for i, added in tok.tokenizer.get_added_tokens_decoder().items() if added.special]
+    config = dataclasses.replace(CONFIG, vocab_size=max(CONFIG.vocab_size, tok.tokenizer.get_vocab_size()))
+    return Engine(
+        llama_runner(_random_llama(config), 16 + len(script) // 16 * 2, 16, DESCRIPTOR),
+        max_num_batched_tokens=64,
+        max_num_seqs=2,
+        decode_text=tok.decode,
+        textless_ids=specials,
+        byte_fallback=_byte_fallback(tok.tokenizer),
+        sampler=lambda logits, params, index, position: script[position],
+    )
+
+
+def _whole_decode_stop(tok, ids: list[int], stops: tuple[str, ...]) -> tuple[int, str, str]:
+    """Where decoding the whole output after every token stops: (tokens, text, reason)."""
+    for n in range(1, len(ids) + 1):
+        text = tok.decode(ids[:n])
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return n, text[: min(hits)], "stop"
+    return len(ids), tok.decode(ids), "length"
+
+
+def _run_stop(tok, script: list[int], stops: tuple[str, ...]) -> tuple[int, str, str]:
+    from kvpool.engine.sampling import SamplingParams
+    from random_llama import random_ids
+
+    engine = _stopping_engine(tok, script)
+    params = SamplingParams(max_tokens=len(script), ignore_eos=True, stop=stops)
+    rid = engine.add_request(random_ids(6, 0), params)
+    while engine.has_unfinished():
+        engine.step()
+    out = engine.pop_output(rid).completions[0]
+    return len(out.token_ids), out.text, out.finish_reason
+
+
+def test_a_stop_string_inside_a_byte_fallback_run_is_found(spm_dir):
+    """review15 #1: "你你你你你é你你你你你你你你" as byte-fallback tokens with stop="é": the window
+    of the last 4 x len + 2 tokens began inside the run, decoded as U+FFFD a byte, and the
+    sample ran to its length with é in its text; a whole decode stops after 17 tokens."""
+    tok = load_hf_tokenizer(spm_dir)
+    script = [3 + b for b in ("你" * 5 + "é" + "你" * 8).encode()]
+    assert _run_stop(tok, script, ("é",)) == (17, "你你你你你", "stop") == _whole_decode_stop(tok, script, ("é",))
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok():
+    from kvpool.engine.build import load_model
+
+    return load_model(None).tokenizer
+
+
+@pytest.mark.parametrize("kind", ["spm", "smollm2"])
+def test_stop_strings_stop_where_a_whole_decode_does(spm_dir, smollm2_tok, kind):
+    """Random outputs of byte tokens (lead and continuation bytes of 2-4-byte characters,
+    invalid bytes, long runs) and normal tokens, specials among them, and stop strings cut
+    from the text a whole decode gives at a random token (so U+FFFD too): the engine stops at
+    the token, with the text, that decoding the whole output after every token gives; for
+    the Llama-2-style tokenizer of hf_tiny (byte fallback) and SmolLM2's (byte-level). (The
+    window check of a byte-fallback decoder as byte-level BPE's fails this within 60 examples.)"""
+    tok = load_hf_tokenizer(spm_dir) if kind == "spm" else smollm2_tok
+    size = tok.tokenizer.get_vocab_size()
+    if kind == "spm":
+        bytes_ = [0x41, 0x20, 0xC3, 0xA9, 0xE4, 0xBD, 0xA0, 0xF0, 0x9F, 0x99, 0x82, 0xFF, 0x80]
+        byte_ids = [3 + b for b in bytes_]
+        chars = [[3 + b for b in c.encode()] for c in "你é🙂"]
+    else:
+        byte_ids = [tok.tokenizer.token_to_id(p) for p in ["Ã", "©", "ä", "½", " ", "ð", "Ł", "A"]]
+        chars = [tok.tokenizer.encode(c, add_special_tokens=False).ids for c in "你é🙂"]
+        byte_ids = [i for i in byte_ids if i is not None]
+    specials = [i for i, added in tok.tokenizer.get_added_tokens_decoder().items() if added.special][:3]
+    token = st.one_of(
+        st.lists(st.sampled_from(chars), min_size=1, max_size=16).map(lambda cs: [t for c in cs for t in c]),
+        st.integers(0, size - 1).map(lambda t: [t]),
+        st.sampled_from(byte_ids).map(lambda t: [t]),
+        st.sampled_from(specials).map(lambda t: [t]),
+    )
+
+    @settings(max_examples=150 if kind == "spm" else 25, deadline=None)
+    @given(st.lists(token, min_size=1, max_size=20), st.data())
+    def check(parts: list[list[int]], data) -> None:
+        script = [t for part in parts for t in part][:80]
+        # a stop string from the text a whole decode gives after a random token (U+FFFD where it
+        # ends inside a character) or after the last one
+        at = data.draw(st.integers(1, len(script)) | st.just(len(script)))
+        text = tok.decode(script[:at])
+        if not text:
+            return
+        start = data.draw(st.integers(max(0, len(text) - 3), len(text) - 1) | st.integers(0, len(text) - 1))
+        stop = text[start : start + data.draw(st.integers(1, 4))]
+        stops = (stop, "\x00never")
+        assert _run_stop(tok, script, stops) == _whole_decode_stop(tok, script, stops)
+
+    check()

@@ -281,6 +281,17 @@ def _tiers(
     return host, open_persistent_tiers(disk_cache, disk_cache_bytes, redis_url, deadlines)
 
 
+def _byte_fallback(tokenizer) -> dict[int, int] | None:
+    """A SentencePiece-style `tokenizers.Tokenizer`'s byte-fallback tokens, id -> byte (None
+    for byte-level BPE): the engine's stop-string check follows their runs."""
+    from kvpool.server.protocol import token_text
+
+    tt = token_text(tokenizer)
+    if tt.byte_tokens is None:
+        return None
+    return {i: tt.bytes(i)[0] for i in tt.byte_tokens}
+
+
 def _llama_engine(loaded: LoadedModel, *, block_size: int = 16, kv_format: str | None = None, **options) -> Engine:
     """A loaded GGUF: its descriptor, and its tokenizer's end-of-turn tokens and text."""
     tok = loaded.tokenizer
@@ -298,6 +309,7 @@ def _llama_engine(loaded: LoadedModel, *, block_size: int = 16, kv_format: str |
         decode_text=tok.decode,
         # the special tokens, which tok.decode skips (skip_special_tokens): no text of a stop string
         textless_ids=[i for i, added in tok.tokenizer.get_added_tokens_decoder().items() if added.special],
+        byte_fallback=_byte_fallback(tok.tokenizer),
         **options,
     )
 
@@ -336,6 +348,7 @@ def _paged_engine(
     eos_token_ids: list[int] | None = None,
     decode_text: Callable[[list[int]], str] | None = None,
     textless_ids: list[int] | None = None,
+    byte_fallback: dict[int, int] | None = None,
 ) -> Engine:
     if num_blocks is None:
         num_blocks = (
@@ -370,6 +383,7 @@ def _paged_engine(
         eos_token_ids=eos_token_ids or (),
         decode_text=decode_text,
         textless_ids=textless_ids or (),
+        byte_fallback=byte_fallback,
         record_logits=record_logits,
         # on a GPU a step's rows are sampled on the device with one synchronisation
         batched_sampling=model.device.type == "cuda",

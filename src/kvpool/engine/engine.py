@@ -20,6 +20,7 @@ victim of a younger one), so the loop cannot deadlock. The scheduler only asks t
 
 from __future__ import annotations
 
+import codecs
 import copy
 import itertools
 import math
@@ -28,7 +29,7 @@ import operator
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, islice, repeat
 from typing import Any, TypeVar
@@ -69,6 +70,49 @@ def _leads(running: list[SequenceState], seqs: list[SequenceState]) -> bool:
     return (running if len(running) == len(seqs) else running[: len(seqs)]) == seqs
 
 
+class _SpmRuns:
+    """A sequence's byte-fallback runs as a SentencePiece-style decoder reads its output's
+    tokens of text (Engine._spm_window): the runs that ended, (start, end, valid) in text
+    tokens, those the stop-string window may still cut; the trailing run's start (None: the
+    last token of text is no byte) and its validity so far (UTF-8 checked a byte at a time);
+    the text before it (its last characters) and the last window's text."""
+
+    __slots__ = ("closed", "num_text", "start", "broken", "decoder", "before", "window", "end")
+
+    def __init__(self) -> None:
+        self.closed: deque[tuple[int, int, bool]] = deque()
+        self.num_text = 0
+        self.start: int | None = None
+        self.broken = False
+        self.decoder = codecs.getincrementaldecoder("utf-8")("strict")
+        self.before = ""
+        self.window = ""
+        self.end = 0  # the sequence's length (tokens) it was brought up to
+
+    @property
+    def valid(self) -> bool:
+        """Whether the trailing run's bytes are UTF-8 text (then it decodes as that text)."""
+        return not self.broken and not self.decoder.getstate()[0]
+
+    def add(self, token: int, byte: int | None, window: str) -> None:
+        """One more token of text (`byte`: its byte, None for a piece); `window`: the text
+        before it (the last window), kept where a run starts."""
+        if byte is None:
+            if self.start is not None:
+                self.closed.append((self.start, self.num_text, self.valid))
+                self.start = None
+        else:
+            if self.start is None:
+                self.start, self.broken, self.before = self.num_text, False, window
+                self.decoder.reset()
+            if not self.broken:
+                try:
+                    self.decoder.decode(bytes((byte,)))
+                except UnicodeDecodeError:
+                    self.broken = True
+        self.num_text += 1
+
+
 # eq=False: a sequence (a request) is itself, compared by identity. The engine's queue
 # removals and membership tests (`seq in self.running`) compared every field of every
 # element they passed, the token lists included, at a request's finish or preemption.
@@ -99,6 +143,8 @@ class SequenceState:
     # tokens (Engine._text_tail)
     text_tail: deque[int] | None = None
     text_tail_end: int = 0
+    # with stop strings and a SentencePiece-style decoder: its byte-fallback runs (_SpmRuns)
+    spm_runs: _SpmRuns | None = None
     # the engine whose decode columns hold this sequence's computed count (`Engine._owned`),
     # else None
     owner: Engine | None = field(default=None, init=False, repr=False)
@@ -297,6 +343,7 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         decode_text: Callable[[list[int]], str] | None = None,
         textless_ids: Iterable[int] = (),
+        byte_fallback: Mapping[int, int] | None = None,
         record_logits: bool = False,
         clock: Callable[[], float] = time.perf_counter,
         sampler: Callable[[torch.Tensor, SamplingParams, int, int], int] = sample_token,
@@ -311,7 +358,9 @@ class Engine:
         k-th such request samples with `derived_seed(seed, k)`, so two unseeded requests draw
         different tokens and a run (the same requests in the same order) draws the same again.
         textless_ids: tokens `decode_text` gives no text for (special tokens, skipped):
-        the stop-string check reaches past them. clock: when things happen (the simulator's
+        the stop-string check reaches past them. byte_fallback: a SentencePiece-style
+        `decode_text`'s byte-fallback tokens, id -> byte (None: byte-level BPE); the
+        stop-string check follows their runs (_SpmRuns). clock: when things happen (the simulator's
         is virtual). sampler: (a row of the runner's logits, params, sample index, output
         position) -> token id; a runner without a model (sim/runner.py) returns rows its own
         sampler reads.
@@ -335,6 +384,12 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.decode_text = decode_text
         self.textless_ids = frozenset(textless_ids)
+        self.byte_fallback = dict(byte_fallback) if byte_fallback else None
+        # a byte token of an ASCII letter: put before a window, it joins a byte run without
+        # changing its validity, and keeps the decoder's first-space strip off the window
+        self._plain_byte = next(
+            (i for b in range(0x41, 0x7B) for i, v in (self.byte_fallback or {}).items() if v == b), None
+        )
         self.record_logits = record_logits
         self.clock = clock
         self.sampler = sampler
@@ -1734,6 +1789,61 @@ class Engine:
         seq.text_tail_end = end
         return tail
 
+    def _spm_window(self, seq: SequenceState, longest: int) -> str:
+        """The text of the output's last tokens (4 x `longest` + 6 of text) as the whole
+        output's decode holds it, for a SentencePiece-style decoder: a run of byte-fallback
+        tokens decodes as its UTF-8 text when all its bytes are valid, else as one U+FFFD a
+        byte, so a window that cuts a run cannot be decoded alone (its part of the run may be
+        valid where the run is not, or start inside a character). Where it cuts one: a valid
+        run's part from its first character on; an invalid one's, one U+FFFD a byte. A trailing
+        run that turns invalid (a byte that ends no character yet, or a bad one) turns all its
+        text to U+FFFD: a stop string holding U+FFFD may then begin before it, in the text
+        before the run (kept from the window of the token before it). Each step costs the
+        window's decode and one byte's UTF-8 check, whatever the run's length."""
+        tail = list(self._text_tail(seq, 4 * longest + 6))
+        runs = self._spm_runs(seq)
+        first = runs.num_text - len(tail)  # the text index of tail[0]
+        while runs.closed and runs.closed[0][1] <= first:
+            runs.closed.popleft()
+        if runs.closed and runs.closed[0][0] < first:
+            _, end, valid = runs.closed[0]
+        elif runs.start is not None and runs.start < first:
+            end, valid = runs.num_text, runs.valid
+        else:
+            end = None
+        if end is None:
+            window = self.decode_text(tail)
+        elif valid:  # its part from the first byte that begins a character
+            skip = 0
+            while skip < len(tail) and (self.byte_fallback.get(tail[skip], 0) & 0xC0) == 0x80:
+                skip += 1
+            window = self.decode_text(tail[skip:])
+        elif end < runs.num_text:  # an invalid run the window cuts, and what follows it
+            window = "\ufffd" * (end - first) + self.decode_text([self._plain_byte, *tail[end - first :]])[1:]
+        else:  # a trailing invalid run: all its text U+FFFD
+            window = runs.before + "\ufffd" * min(runs.num_text - runs.start, longest)
+        runs.window = window
+        return window
+
+    def _spm_runs(self, seq: SequenceState) -> _SpmRuns:
+        """The sequence's _SpmRuns, brought up to its last token (one token's step; a sequence
+        seen for the first time, or forked, is read through once)."""
+        runs, tokens, end = seq.spm_runs, seq.token_ids, len(seq.token_ids)
+        if runs is None or runs.end != end - 1:
+            runs = seq.spm_runs = _SpmRuns()
+            runs.end = seq.request.num_prompt_tokens
+            text = [t for t in tokens[runs.end : end - 1] if t not in self.textless_ids]
+            for token in text:
+                runs.add(token, self.byte_fallback.get(token), "")
+            if runs.start is not None:
+                runs.before = self.decode_text(text[: runs.start])
+            runs.window = self.decode_text(text)
+            runs.end = end - 1
+        if tokens[-1] not in self.textless_ids:
+            runs.add(tokens[-1], self.byte_fallback.get(tokens[-1]), runs.window)
+        runs.end = end
+        return runs
+
     def _stop_reason(self, seq: SequenceState, token: int) -> str | None:
         """Why the sequence ends with `token`, its last token (None: it goes on), and then its
         text."""
@@ -1749,7 +1859,11 @@ class Engine:
             # 4 bytes a character, so at most that many tokens (byte-level BPE: each decodes
             # to one byte or more), plus the token it starts in. Decode that window, not the
             # whole output every step (quadratic in its length); the whole text on a hit.
-            window = self.decode_text(list(self._text_tail(seq, 4 * max(len(s) for s in params.stop) + 2)))
+            longest = max(len(s) for s in params.stop)
+            if self.byte_fallback is None or self._plain_byte is None:
+                window = self.decode_text(list(self._text_tail(seq, 4 * longest + 2)))
+            else:
+                window = self._spm_window(seq, longest)
             if any(s in window for s in params.stop):
                 text = self.decode_text(seq.output_ids)
                 hits = [text.find(s) for s in params.stop if s in text]
