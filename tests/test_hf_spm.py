@@ -264,6 +264,24 @@ def test_a_character_in_byte_fallback_tokens_shows_whole_and_once(spm_dir):
     assert stream.advance([hello, 3 + 0xC3, 3 + 0xA9], "abort") == "Theé"
 
 
+def test_a_long_byte_fallback_run_streams_at_a_bounded_cost_a_token(spm_dir):
+    """review15 #3: while the output ended in a byte-fallback run, each token decoded the whole
+    run again (1,000 tokens of "你" as bytes: ~500,000 tokens decoded). Now a token that goes on
+    with the run decodes nothing, the run is decoded once when a piece ends it, and the text
+    shown is the same: nothing of the run before it ends, then all of it."""
+    tok = load_hf_tokenizer(spm_dir)
+    tb = decoded_bytes(tok.tokenizer)
+    decoded: list[int] = []
+    stream = TextStream(lambda ids: decoded.append(len(ids)) or tok.decode(ids), tb, holdback=2)
+    hello, the = (tok.tokenizer.token_to_id(p) for p in ("\u2581Hello", "\u2581the"))
+    ids = [hello] + [3 + b for b in "你".encode()] * 333 + [1] + [3 + b for b in "é".encode()] + [the, the]
+    shown = [stream.advance([t], None) for t in ids]
+    assert "".join(shown[: 1 + 999 + 3]) == "Hel"  # (holdback 2) nothing of the run while it is open
+    assert "".join(shown) == tok.decode(ids)[:-2]
+    assert len(decoded) <= 3 + 2 and sum(decoded) <= 2 * len(ids)
+    assert "".join(shown) + stream.advance([], "length", tok.decode(ids)) == tok.decode(ids)
+
+
 def test_a_context_that_decodes_to_nothing_does_not_take_the_next_space(spm_dir):
     """The context moves up to the newest token only where that token is text: a special
     token (decode skips it) as the context would let the decoder strip the next token's space."""

@@ -17,7 +17,9 @@ loses its space, and a run of byte-fallback tokens "<0xNN>" decodes as its UTF-8
 when the whole run is valid UTF-8, else as one U+FFFD a byte. Its new tokens are decoded after
 a few earlier ones (the context) and the context's own decode is cut off the front; the text
 of a trailing byte-fallback run waits until a token that is no byte ends the run (a later
-byte could still turn all of it into U+FFFD), or the sample ends.
+byte could still turn all of it into U+FFFD), or the sample ends; the tokens that go on with
+the run are not decoded (nothing of it shows), the run is decoded once it ends, so a token
+costs the same however long the run.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ class TextStream:
     # num_stable_tokens]); each step decodes visible[context_start:] and cuts context_text off
     context_start: int = 0
     context_text: str = ""
+    # SentencePiece-style, while the visible tokens end in a byte-fallback run: the text before
+    # the run (None: no run open). The run's text waits whole, so a token that goes on with the
+    # run (a byte, or a special one decode skips) needs no decode: it is decoded once, ended
+    run_before: str | None = None
 
     def advance(self, new_ids: list[int], reason: str | None, final_text: str = "") -> str:
         """The text that may be shown now beyond `sent_text`, after the visible (non-EOS) token
@@ -74,7 +80,14 @@ class TextStream:
             limit = len(text)
         elif (byte_tokens := getattr(self.token_bytes, "byte_tokens", None)) is not None:
             self.visible.extend(new_ids)
-            text, held = self._context_text(byte_tokens, reason is not None)
+            if (
+                self.run_before is not None
+                and reason is None
+                and all(t in byte_tokens or not self.token_bytes(t) for t in new_ids)
+            ):
+                text, held = self.run_before, 0  # the run goes on: its text still waits whole
+            else:
+                text, held = self._context_text(byte_tokens, reason is not None)
             limit = len(text) - held - (0 if reason is not None else self.holdback)
         else:
             self.visible.extend(new_ids)
@@ -97,6 +110,7 @@ class TextStream:
         """A SentencePiece-style decoder's text of the visible tokens, and how many of its last
         characters wait: those of a trailing byte-fallback run (`ended`, an aborted sample:
         none but an incomplete character's bytes)."""
+        self.run_before = None
         window = self.decode(self.visible[self.context_start :])
         if not window.startswith(self.context_text):  # (the context ends on no byte token: cannot happen)
             return self.stable_text, 0
@@ -124,6 +138,7 @@ class TextStream:
             return text, 0
         data = b"".join(self.token_bytes(t) for t in self.visible[start:])
         held = len(fallback_text(data))
+        self.run_before = text[: len(text) - min(held, len(text) - len(self.stable_text))]
         if ended:  # no byte comes: the run's text less an incomplete character's bytes shows
             cut = incomplete_tail(data)
             if not cut:
