@@ -457,13 +457,14 @@ def test_serve_streams_deltas_that_join_to_the_text_and_transformers_decode(tmp_
         assert completion.usage.prompt_tokens == len(ids)
         streamed = client.completions.create(prompt="Hello world", stream=True, **options)
         assert "".join(c.choices[0].text for c in streamed if c.choices) == completion.choices[0].text
-        # text_offset indexes the text: its first space stripped, not counted (one past it before)
+        # text_offset indexes the text; the text is decoded after the prompt's last tokens, so it
+        # keeps the space of its first piece (decoded alone, the decoder's strip took it)
         scored = client.completions.create(prompt="Hello world", logprobs=1, **options)
         text, lp = scored.choices[0].text, scored.choices[0].logprobs
         assert text == completion.choices[0].text and lp.text_offset[0] == 0
-        assert lp.tokens[0].startswith(" ") and not text.startswith(" ")  # (the premise)
+        assert lp.tokens[0].startswith(" ") and text.startswith(" ")
         pieces = [(o, t) for o, t in zip(lp.text_offset, lp.tokens, strict=True) if "\ufffd" not in t]
-        assert all(text[o:].startswith(t) for o, t in pieces[1:]) and len(pieces) > 10, (text, lp)
+        assert all(text[o:].startswith(t) for o, t in pieces) and len(pieces) > 10, (text, lp)
         chunks = client.completions.create(prompt="Hello world", logprobs=1, stream=True, **options)
         assert [
             o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
@@ -651,23 +652,29 @@ def _stopping_engine(tok, script: list[int]):
     )
 
 
-def _whole_decode_stop(tok, ids: list[int], stops: tuple[str, ...]) -> tuple[int, str, str]:
-    """Where decoding the whole output after every token stops: (tokens, text, reason)."""
+def _in_context(tok, prompt: list[int], ids: list[int]) -> str:
+    """The output's text as the whole prompt and output decode it (the prompt's text cut off)."""
+    before, text = tok.decode(prompt), tok.decode(prompt + ids)
+    assert text.startswith(before)
+    return text[len(before) :]
+
+
+def _whole_decode_stop(tok, ids: list[int], stops: tuple[str, ...], prompt=()) -> tuple[int, str, str]:
+    """Where decoding the whole output (after the prompt) after every token stops: (tokens, text, reason)."""
     for n in range(1, len(ids) + 1):
-        text = tok.decode(ids[:n])
+        text = _in_context(tok, list(prompt), ids[:n])
         hits = [text.find(s) for s in stops if s in text]
         if hits:
             return n, text[: min(hits)], "stop"
-    return len(ids), tok.decode(ids), "length"
+    return len(ids), _in_context(tok, list(prompt), ids), "length"
 
 
-def _run_stop(tok, script: list[int], stops: tuple[str, ...]) -> tuple[int, str, str]:
+def _run_stop(tok, script: list[int], stops: tuple[str, ...], prompt=None) -> tuple[int, str, str]:
     from kvpool.engine.sampling import SamplingParams
-    from random_llama import random_ids
 
     engine = _stopping_engine(tok, script)
     params = SamplingParams(max_tokens=len(script), ignore_eos=True, stop=stops)
-    rid = engine.add_request(random_ids(6, 0), params)
+    rid = engine.add_request(list(prompt) if prompt is not None else tok.encode("Hi there"), params)
     while engine.has_unfinished():
         engine.step()
     out = engine.pop_output(rid).completions[0]
@@ -680,7 +687,9 @@ def test_a_stop_string_inside_a_byte_fallback_run_is_found(spm_dir):
     sample ran to its length with é in its text; a whole decode stops after 17 tokens."""
     tok = load_hf_tokenizer(spm_dir)
     script = [3 + b for b in ("你" * 5 + "é" + "你" * 8).encode()]
-    assert _run_stop(tok, script, ("é",)) == (17, "你你你你你", "stop") == _whole_decode_stop(tok, script, ("é",))
+    prompt = tok.encode("Hi there")
+    assert _run_stop(tok, script, ("é",), prompt) == (17, "你你你你你", "stop")
+    assert _whole_decode_stop(tok, script, ("é",), prompt) == (17, "你你你你你", "stop")
 
 
 @pytest.fixture(scope="module")
@@ -729,6 +738,41 @@ def test_stop_strings_stop_where_a_whole_decode_does(spm_dir, smollm2_tok, kind)
         start = data.draw(st.integers(max(0, len(text) - 3), len(text) - 1) | st.integers(0, len(text) - 1))
         stop = text[start : start + data.draw(st.integers(1, 4))]
         stops = (stop, "\x00never")
-        assert _run_stop(tok, script, stops) == _whole_decode_stop(tok, script, stops)
+        prompt = tok.encode("Hi there")
+        assert _run_stop(tok, script, stops, prompt) == _whole_decode_stop(tok, script, stops, prompt)
 
     check()
+
+
+def test_a_completion_keeps_the_space_its_first_token_carries(spm_dir):
+    """review15 #2: the output was decoded alone, and the decoder's first-space strip took the
+    space of its first piece: "... over the" + "▁lazy ▁d o g" gave "lazy dog" (joined to the
+    prompt: "...over thelazy dog"), and logprobs' tokens joined to " lazy dog", not the text.
+    Now the engine's text, the stream and a stop string hold the output as the prompt and
+    output decode it (after the prompt's last tokens, cut off), as vLLM's detokenizer does
+    (it starts from the prompt's last tokens); logprobs' tokens join to the text and their
+    text_offset index it. A byte-level tokenizer takes no context (its decode has no strip)."""
+    from hf_tiny import save_tokenizer
+    from kvpool.server.protocol import TextOffsets, completion_logprobs
+    from kvpool.server.text_stream import prompt_context
+
+    tok = load_hf_tokenizer(spm_dir)
+    tb = decoded_bytes(tok.tokenizer)
+    prompt = tok.encode("The quick brown fox jumps over the")
+    out = tok.tokenizer.encode(" lazy dog", add_special_tokens=False).ids
+    assert _in_context(tok, prompt, out) == " lazy dog" and tok.decode(out) == "lazy dog"
+    assert _run_stop(tok, out, ("\x00",), prompt) == (len(out), " lazy dog", "length")
+    assert _run_stop(tok, out, (" lazy",), prompt) == (1, "", "stop")  # a stop string the space begins
+    assert _run_stop(tok, out, ("y d",), prompt) == (2, " laz", "stop")
+    stream = TextStream(tok.decode, tb).start_after(prompt_context(prompt, len(prompt), tb))
+    assert [stream.advance([t], None) for t in out] == [" lazy", " d", "o", "g"]
+    tt = token_text(tok.tokenizer)
+    after = bool(prompt_context(prompt, len(prompt), tb))
+    lp = completion_logprobs([(0.0, [])] * len(out), out, tt, TextOffsets(tt, after))
+    assert "".join(lp["tokens"]) == " lazy dog"
+    assert all(" lazy dog"[o : o + len(t)] == t for o, t in zip(lp["text_offset"], lp["tokens"], strict=True))
+    # a prompt that ends in a byte-fallback token: no context (its run would join the output's)
+    assert prompt_context([*prompt, 3 + 0xC3], len(prompt) + 1, tb) == []
+    save_tokenizer(spm_dir.parent / "bl")
+    bl = load_hf_tokenizer(spm_dir.parent / "bl")
+    assert prompt_context(bl.encode("over the"), 2, decoded_bytes(bl.tokenizer)) == []

@@ -223,14 +223,15 @@ def _generate(args, engine, loaded, prompt_ids, params, num_blocks, runtime_byte
         f"--num-blocks {num_blocks} x --block-size {args.block_size}",
     )
     from kvpool.server.protocol import decoded_bytes
-    from kvpool.server.text_stream import TextStream
+    from kvpool.server.text_stream import TextStream, prompt_context
 
     rid = engine.add_request(prompt_ids, params)
     seq = engine.requests[rid].seqs[0]
     # the server's streaming rule: an incomplete UTF-8 sequence waits for its next byte, and
     # the end shows the final text whole (a character the length limit cut as U+FFFD, as --json's
     # "text" holds it: the stream held it back for good)
-    stream = TextStream(tok.decode, decoded_bytes(tok.tokenizer))
+    token_bytes = decoded_bytes(tok.tokenizer)
+    stream = TextStream(tok.decode, token_bytes).start_after(prompt_context(prompt_ids, len(prompt_ids), token_bytes))
     num_seen = 0
     try:
         while engine.has_unfinished():

@@ -145,6 +145,8 @@ class SequenceState:
     text_tail_end: int = 0
     # with stop strings and a SentencePiece-style decoder: its byte-fallback runs (_SpmRuns)
     spm_runs: _SpmRuns | None = None
+    # a SentencePiece-style decoder's prompt context (Engine._output_text): its tokens and text
+    spm_context: tuple[list[int], str] | None = None
     # the engine whose decode columns hold this sequence's computed count (`Engine._owned`),
     # else None
     owner: Engine | None = field(default=None, init=False, repr=False)
@@ -671,7 +673,7 @@ class Engine:
             if seq.finish_reason is None:
                 self._finish(seq, "abort")
                 if self.decode_text is not None:  # its text so far (it was "", beside the output's token ids)
-                    seq.text = self.decode_text(seq.output_ids)
+                    seq.text = self._output_text(seq, seq.output_ids)
         req.forked = True  # no fork is coming any more
         req.finish_time = self.clock()
         return True
@@ -1789,6 +1791,30 @@ class Engine:
         seq.text_tail_end = end
         return tail
 
+    def _output_text(self, seq: SequenceState, ids: list[int]) -> str:
+        """The text of output tokens `ids` (from the output's first): for a SentencePiece-style
+        decoder, decoded after the prompt's last tokens of text and their text cut off (its
+        first-space strip took the space of the output's first piece; server/text_stream.py
+        prompt_context is the same rule), as the whole prompt and output decode it."""
+        if self.byte_fallback is None:
+            return self.decode_text(ids)
+        if seq.spm_context is None:
+            context: list[int] = []
+            tokens, i = seq.token_ids, seq.request.num_prompt_tokens
+            while i > 0 and len(context) < 4:
+                i -= 1
+                if tokens[i] not in self.textless_ids:
+                    if not context and tokens[i] in self.byte_fallback:
+                        break
+                    context.append(tokens[i])
+            context.reverse()
+            seq.spm_context = (context, self.decode_text(context) if context else "")
+        context, before = seq.spm_context
+        if not context:
+            return self.decode_text(ids)
+        text = self.decode_text([*context, *ids])
+        return text[len(before) :] if text.startswith(before) else self.decode_text(ids)
+
     def _spm_window(self, seq: SequenceState, longest: int) -> str:
         """The text of the output's last tokens (4 x `longest` + 6 of text) as the whole
         output's decode holds it, for a SentencePiece-style decoder: a run of byte-fallback
@@ -1811,8 +1837,8 @@ class Engine:
             end, valid = runs.num_text, runs.valid
         else:
             end = None
-        if end is None:
-            window = self.decode_text(tail)
+        if end is None:  # (from the output's first token: decoded after the prompt's)
+            window = self._output_text(seq, tail) if first == 0 else self.decode_text(tail)
         elif valid:  # its part from the first byte that begins a character
             skip = 0
             while skip < len(tail) and (self.byte_fallback.get(tail[skip], 0) & 0xC0) == 0x80:
@@ -1836,8 +1862,8 @@ class Engine:
             for token in text:
                 runs.add(token, self.byte_fallback.get(token), "")
             if runs.start is not None:
-                runs.before = self.decode_text(text[: runs.start])
-            runs.window = self.decode_text(text)
+                runs.before = self._output_text(seq, text[: runs.start])
+            runs.window = self._output_text(seq, text)
             runs.end = end - 1
         if tokens[-1] not in self.textless_ids:
             runs.add(tokens[-1], self.byte_fallback.get(tokens[-1]), runs.window)
@@ -1865,7 +1891,7 @@ class Engine:
             else:
                 window = self._spm_window(seq, longest)
             if any(s in window for s in params.stop):
-                text = self.decode_text(seq.output_ids)
+                text = self._output_text(seq, seq.output_ids)
                 hits = [text.find(s) for s in params.stop if s in text]
                 if hits:
                     stop_text = text[: min(hits)]  # the text ends before the stop string
@@ -1881,5 +1907,5 @@ class Engine:
                 ids = seq.output_ids
                 if reason == "stop" and ids and ids[-1] in self.eos_token_ids:
                     ids = ids[:-1]
-                seq.text = self.decode_text(ids)
+                seq.text = self._output_text(seq, ids)
         return reason

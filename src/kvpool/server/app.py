@@ -61,6 +61,7 @@ from kvpool.server.engine_thread import Delta, EngineThread, Event, Failed, Fini
 from kvpool.server.metrics import ServerMetrics
 from kvpool.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenBound, TokenText
 from kvpool.server.protocol import token_text as protocol_token_text
+from kvpool.server.text_stream import prompt_context
 
 TENANT_HEADER = "x-tenant-id"
 # The longest prompt a 128k-token context holds is about 0.5 MB of text (1.5 MB as JSON
@@ -439,7 +440,16 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             events = engine.submit(request_id, prompt_ids, params, tenant)
         except RuntimeError as error:
             raise _not_running(state, error) from None
-        shape = _Shape(request_id, state.model_name, chat, token_text, params.logprobs is not None, body.include_usage)
+        after_prompt = bool(prompt_context(prompt_ids, len(prompt_ids), getattr(engine, "token_bytes", None)))
+        shape = _Shape(
+            request_id,
+            state.model_name,
+            chat,
+            token_text,
+            params.logprobs is not None,
+            body.include_usage,
+            after_prompt,
+        )
         if body.stream:
             return StreamingResponse(
                 _stream(engine, request_id, events, shape, body.include_usage),
@@ -478,8 +488,12 @@ class _Shape:
         token_text: TokenText,
         logprobs: bool,
         include_usage: bool = False,
+        after_prompt: bool = False,
     ) -> None:
         self.id, self.model, self.chat, self.tt, self.logprobs = request_id, model, chat, token_text, logprobs
+        # the samples' text is decoded after the prompt's last tokens (text_stream.prompt_context):
+        # the decoder's first-space strip does not apply to it
+        self.after_prompt = after_prompt
         self.include_usage = include_usage
         self.created = protocol.now()
         self.object = "chat.completion" if chat else "text_completion"
@@ -490,7 +504,7 @@ class _Shape:
             return None
         if self.chat:
             return protocol.chat_logprobs(delta.logprobs, delta.token_ids, self.tt)
-        offsets = self.text_offsets.setdefault(delta.index, protocol.TextOffsets(self.tt))
+        offsets = self.text_offsets.setdefault(delta.index, protocol.TextOffsets(self.tt, self.after_prompt))
         return protocol.completion_logprobs(delta.logprobs, delta.token_ids, self.tt, offsets)
 
     def chunk(self, delta: Delta, first: bool) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from typing import TypeVar
 
 from kvpool.engine.engine import Engine, RequestOutput, SequenceState
 from kvpool.engine.sampling import SamplingParams
-from kvpool.server.text_stream import TextStream
+from kvpool.server.text_stream import TextStream, prompt_context
 
 _T = TypeVar("_T")
 
@@ -289,6 +289,8 @@ class EngineThread:
         stream = tracked.samples.get(seq.sample_index)
         if stream is None:
             text_stream = TextStream(self.decode, self.token_bytes, tracked.holdback)
+            if getattr(self.token_bytes, "byte_tokens", None) is not None:  # SentencePiece-style: the prompt's context
+                text_stream.start_after(prompt_context(seq.token_ids, seq.request.num_prompt_tokens, self.token_bytes))
             stream = tracked.samples[seq.sample_index] = _SampleStream(text_stream)
         if stream.done:
             return None

@@ -527,8 +527,11 @@ class TextOffsets:
     ByteFallback decoder's rule), so a later byte may still change the run's text: the offsets
     given are those of the text so far, as a stream can know them."""
 
-    def __init__(self, tt: TokenText) -> None:
+    def __init__(self, tt: TokenText, after_prompt: bool = False) -> None:
         self.tt = tt
+        # the first space is stripped where the decoder strips it and the text was decoded
+        # alone, not after the prompt's last tokens (text_stream.prompt_context)
+        self.strips = tt.strips_first_space and not after_prompt
         self.chars = 0  # characters of the text before `pending` (the first space not yet stripped)
         self.first = ""  # the text's first character, once there is one
         self.pending = b""  # byte-level: an incomplete character's bytes; SentencePiece: the byte-fallback run
@@ -573,7 +576,7 @@ class TextOffsets:
         data = b"" if token_id in self.tt.skipped else bytes(self.tt.bytes(token_id))
         raw = self._start(token_id, data)
         first = self.first or (self._run_text(self.pending)[:1] if self.tt.byte_tokens is not None else "")
-        offset = raw - 1 if self.tt.strips_first_space and first == " " and raw > 0 else raw
+        offset = raw - 1 if self.strips and first == " " and raw > 0 else raw
         if token_id in self.tt.skipped:
             return offset
         if self.tt.byte_tokens is None:

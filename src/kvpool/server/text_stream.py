@@ -44,6 +44,29 @@ class TokenBytes:
 
 # a SentencePiece-style stream's context is moved up to its newest token once it spans more tokens
 _CONTEXT_TOKENS = 8
+# the prompt's last tokens of text a SentencePiece-style output is decoded after
+PROMPT_CONTEXT_TOKENS = 4
+
+
+def prompt_context(token_ids: list[int], num_prompt: int, token_bytes: Callable[[int], bytes] | None) -> list[int]:
+    """The prompt's last tokens (of `token_ids[:num_prompt]`) that a SentencePiece-style
+    output is decoded after, its decode cut off: the decoder strips the first space of the
+    text it decodes, so the output decoded alone lost the space of its first piece ("▁lazy"
+    after "... over the" gave "lazy"). Up to PROMPT_CONTEXT_TOKENS tokens of text; none for
+    byte-level BPE (no strip: its output decodes alone) or where the prompt's last token of
+    text is a byte-fallback token (its run would join the output's bytes)."""
+    byte_tokens = getattr(token_bytes, "byte_tokens", None)
+    if byte_tokens is None:
+        return []
+    context: list[int] = []
+    i = num_prompt
+    while i > 0 and len(context) < PROMPT_CONTEXT_TOKENS:
+        i -= 1
+        if token_bytes(token_ids[i]):
+            if not context and token_ids[i] in byte_tokens:
+                return []
+            context.append(token_ids[i])
+    return context[::-1]
 
 
 @dataclass(slots=True)
@@ -69,6 +92,14 @@ class TextStream:
     # the run (None: no run open). The run's text waits whole, so a token that goes on with the
     # run (a byte, or a special one decode skips) needs no decode: it is decoded once, ended
     run_before: str | None = None
+
+    def start_after(self, context: list[int]) -> TextStream:
+        """Decode the output after these prompt tokens (prompt_context), their text cut off."""
+        if context:
+            self.visible = list(context)
+            self.num_stable_tokens = len(context)
+            self.context_start, self.context_text = 0, self.decode(self.visible)
+        return self
 
     def advance(self, new_ids: list[int], reason: str | None, final_text: str = "") -> str:
         """The text that may be shown now beyond `sent_text`, after the visible (non-EOS) token
