@@ -11,13 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import random
-import select
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,12 +19,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvpool
 from hf_tiny import SPM_CORPUS, save_spm_tokenizer, spm_tokenizer
 from kvpool.cli.main import main
 from kvpool.models.hf_tokenizer import load_hf_tokenizer
 from kvpool.server.protocol import TextOffsets, TokenBound, decoded_bytes, token_text
 from kvpool.server.text_stream import TextStream, ends_inside_a_character
+from served import served
 from test_hf_dir import _hf_greedy
 
 transformers = pytest.importorskip("transformers")
@@ -418,23 +412,8 @@ def test_generate_streams_the_decode_of_its_tokens(tmp_path, capsys):
 def test_serve_streams_deltas_that_join_to_the_text_and_transformers_decode(tmp_path):
     openai = pytest.importorskip("openai")
     path = _spm_llama_dir(tmp_path / "llama2")
-    src = str(Path(kvpool.__file__).parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool", "serve", "--model", str(path), "--port", "0", "--kv-memory", "4MiB"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
     ref = _reference(path)
-    try:
-        deadline, line = time.monotonic() + 120, ""
-        while "ready on " not in line and time.monotonic() < deadline and proc.poll() is None:
-            if select.select([proc.stdout], [], [], 1)[0]:
-                line = proc.stdout.readline()
-        assert "ready on " in line, proc.stderr.read() if proc.poll() is not None else "not ready in 120 s"
-        url = line.split("ready on ", 1)[1].split()[0]
+    with served("--model", str(path), "--kv-memory", "4MiB") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60)
         messages = [{"role": "user", "content": "Hello world, 你好"}]
         options = {"model": "llama2", "max_tokens": 40, "temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -469,11 +448,6 @@ def test_serve_streams_deltas_that_join_to_the_text_and_transformers_decode(tmp_
         assert [
             o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
         ] == (lp.text_offset)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert "cache integrity ok, 0 blocks held" in err, err
 
 
 def test_a_legacy_flag_that_is_no_boolean_is_refused_naming_the_file(tmp_path):
