@@ -745,8 +745,23 @@ def test_a_completion_keeps_the_space_its_first_token_carries(spm_dir):
     lp = completion_logprobs([(0.0, [])] * len(out), out, tt, TextOffsets(tt, after))
     assert "".join(lp["tokens"]) == " lazy dog"
     assert all(" lazy dog"[o : o + len(t)] == t for o, t in zip(lp["text_offset"], lp["tokens"], strict=True))
-    # a prompt that ends in a byte-fallback token: no context (its run would join the output's)
+    # a prompt that leaves a character open (a lead byte): no context (its run joins the output's)
     assert prompt_context([*prompt, 3 + 0xC3], len(prompt) + 1, tb) == []
+    # final read #1: a prompt whose text ends in a whole byte-run character ("\n" is <0x0A>, as in
+    # Llama 2's vocabulary: chat prompts end in it) kept the strip: "lazy dog". An ASCII letter's
+    # byte token is the context: the output as prompt + output decode it, in the engine, the
+    # stream and the logprobs' offsets
+    newline = [*prompt, 3 + 0x0A]
+    assert tok.decode(newline).endswith("the\n")  # (the premise: the prompt ends in a byte token)
+    whole = tok.decode([*newline, *out])
+    assert whole.endswith("\n lazy dog") and _in_context(tok, newline, out) == " lazy dog"
+    assert _run_stop(tok, out, ("\x00",), newline) == (len(out), " lazy dog", "length")
+    context = prompt_context(newline, len(newline), tb)
+    assert context == [3 + ord("A")]
+    stream = TextStream(tok.decode, tb).start_after(context)
+    assert [stream.advance([t], None) for t in out] == [" lazy", " d", "o", "g"]
+    lp = completion_logprobs([(0.0, [])] * len(out), out, tt, TextOffsets(tt, bool(context)))
+    assert all(" lazy dog"[o : o + len(t)] == t for o, t in zip(lp["text_offset"], lp["tokens"], strict=True))
     save_tokenizer(spm_dir.parent / "bl")
     bl = load_hf_tokenizer(spm_dir.parent / "bl")
     assert prompt_context(bl.encode("over the"), 2, decoded_bytes(bl.tokenizer)) == []

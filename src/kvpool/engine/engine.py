@@ -1805,6 +1805,16 @@ class Engine:
                 i -= 1
                 if tokens[i] not in self.textless_ids:
                     if not context and tokens[i] in self.byte_fallback:
+                        # (a byte run ends the prompt's text: where it ends a character, an ASCII
+                        # letter's byte token in its place, as server/text_stream.py prompt_context)
+                        j = i  # (the run's last 4 bytes at most tell whether a character is open)
+                        while j > max(0, i - 3) and tokens[j - 1] in self.byte_fallback:
+                            j -= 1
+                        run = bytes(self.byte_fallback[t] for t in tokens[j : i + 1])
+                        open_char = codecs.getincrementaldecoder("utf-8")("replace")
+                        open_char.decode(run)
+                        if self._plain_byte is not None and not open_char.getstate()[0]:
+                            context = [self._plain_byte]
                         break
                     context.append(tokens[i])
             context.reverse()

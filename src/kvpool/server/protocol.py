@@ -492,7 +492,10 @@ def decoded_bytes(tokenizer: Any) -> TokenBytes:
     def token_bytes(token_id: int) -> bytes:
         return b"" if token_id in skipped else bytes(tt.bytes(token_id))
 
-    return TokenBytes(token_bytes, tt.byte_tokens)
+    plain = None
+    if tt.byte_tokens is not None:  # (the first ASCII letter's byte token)
+        plain = min((i for i in tt.byte_tokens if bytes(tt.bytes(i)).isalpha()), key=tt.bytes, default=None)
+    return TokenBytes(token_bytes, tt.byte_tokens, plain)
 
 
 class TokenBound:

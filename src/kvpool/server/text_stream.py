@@ -37,6 +37,9 @@ class TokenBytes:
 
     of: Callable[[int], bytes]
     byte_tokens: frozenset[int] | None = None
+    # a byte-fallback token of an ASCII letter (None: none, or byte-level BPE): the context an
+    # output is decoded after when the prompt's text ends in a byte-fallback token (`prompt_context`)
+    plain_byte: int | None = None
 
     def __call__(self, token_id: int) -> bytes:
         return self.of(token_id)
@@ -54,7 +57,9 @@ def prompt_context(token_ids: list[int], num_prompt: int, token_bytes: Callable[
     text it decodes, so the output decoded alone lost the space of its first piece ("▁lazy"
     after "... over the" gave "lazy"). Up to PROMPT_CONTEXT_TOKENS tokens of text; none for
     byte-level BPE (no strip: its output decodes alone) or where the prompt's last token of
-    text is a byte-fallback token (its run would join the output's bytes)."""
+    text is a byte-fallback token ending a character: then one byte token of an ASCII letter (`TokenBytes.plain_byte`),
+    which keeps the strip off the output's first space and joins its bytes as the prompt's
+    whole byte run does ("\\n" is <0x0A> in Llama 2's vocabulary: chat prompts end in it)."""
     byte_tokens = getattr(token_bytes, "byte_tokens", None)
     if byte_tokens is None:
         return []
@@ -64,7 +69,10 @@ def prompt_context(token_ids: list[int], num_prompt: int, token_bytes: Callable[
         i -= 1
         if token_bytes(token_ids[i]):
             if not context and token_ids[i] in byte_tokens:
-                return []
+                plain = getattr(token_bytes, "plain_byte", None)
+                if plain is None or ends_inside_a_character(token_ids[: i + 1], token_bytes):
+                    return []  # (a character the prompt leaves open: its bytes would join the output's)
+                return [plain]
             context.append(token_ids[i])
     return context[::-1]
 
