@@ -284,12 +284,9 @@ def _tiers(
 def _byte_fallback(tokenizer) -> dict[int, int] | None:
     """A SentencePiece-style `tokenizers.Tokenizer`'s byte-fallback tokens, id -> byte (None
     for byte-level BPE): the engine's stop-string check follows their runs."""
-    from kvpool.server.protocol import token_text
+    from kvpool.models.tokenizer import byte_fallback_ids
 
-    tt = token_text(tokenizer)
-    if tt.byte_tokens is None:
-        return None
-    return {i: tt.bytes(i)[0] for i in tt.byte_tokens}
+    return byte_fallback_ids(tokenizer)
 
 
 def _llama_engine(loaded: LoadedModel, *, block_size: int = 16, kv_format: str | None = None, **options) -> Engine:

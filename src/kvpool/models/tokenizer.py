@@ -399,3 +399,21 @@ def build_tokenizer(data: TokenizerData) -> ChatTokenizer:
         ),
         add_eos_token=data.add_eos_token,
     )
+
+
+def is_byte_fallback_piece(piece: str | None) -> bool:
+    """Whether a piece is a byte-fallback token's spelling, "<0xNN>" (as the ByteFallback decoder reads it)."""
+    if piece is None or len(piece) != 6 or not piece.startswith("<0x") or not piece.endswith(">"):
+        return False
+    return all(c in "0123456789abcdefABCDEF" for c in piece[3:5])
+
+
+def byte_fallback_ids(tokenizer: Any) -> dict[int, int] | None:
+    """A SentencePiece-style `tokenizers.Tokenizer`'s byte-fallback tokens, id -> byte; None
+    for byte-level BPE (its decoder is ByteLevel). Added tokens are never byte tokens."""
+    if type(tokenizer.decoder).__name__ == "ByteLevel":
+        return None
+    added = tokenizer.get_added_tokens_decoder()
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    pieces = ((i, tokenizer.id_to_token(i)) for i in range(size) if i not in added)
+    return {i: int(piece[3:5], 16) for i, piece in pieces if is_byte_fallback_piece(piece)}

@@ -458,13 +458,6 @@ class TokenText:
         return num
 
 
-def is_byte_fallback_piece(piece: str | None) -> bool:
-    """Whether a piece is a byte-fallback token's spelling, "<0xNN>" (as the ByteFallback decoder reads it)."""
-    if piece is None or len(piece) != 6 or not piece.startswith("<0x") or not piece.endswith(">"):
-        return False
-    return all(c in "0123456789abcdefABCDEF" for c in piece[3:5])
-
-
 def token_text(tokenizer: Any) -> TokenText:
     """The TokenText of a `tokenizers.Tokenizer`: byte-level BPE where its decoder is
     ByteLevel, else SentencePiece-style (the only other kind models/hf_tokenizer.py loads)."""
@@ -472,9 +465,9 @@ def token_text(tokenizer: Any) -> TokenText:
     skipped = frozenset(token_id for token_id, token in added.items() if token.special)
     if type(tokenizer.decoder).__name__ == "ByteLevel":
         return TokenText(tokenizer.id_to_token, skipped=skipped)
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
-    pieces = ((i, tokenizer.id_to_token(i)) for i in range(size) if i not in added)
-    byte_tokens = frozenset(i for i, piece in pieces if is_byte_fallback_piece(piece))
+    from kvpool.models.tokenizer import byte_fallback_ids  # (the tokenizers library: loaded where used)
+
+    byte_tokens = frozenset(byte_fallback_ids(tokenizer) or ())
     # the decoder strips the text's first space or not (Strip, or none): ask it, on a piece "▁..."
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     probe = next((i for piece, i in vocab if piece.startswith("\u2581") and i not in added), None)
