@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The text stream's CPU per token (TextStream.advance, thread CPU time, best of 5):
-SmolLM2's byte-level tokenizer over README.md's text with CJK and emoji, and a SentencePiece
-tokenizer (the tests' Llama-2-style tokenizer.json) over runs of byte-fallback tokens ("你"
+SmolLM2's byte-level tokenizer over README.md's text with CJK and emoji, a SentencePiece
+tokenizer (the tests' Llama-2-style tokenizer.json) over the same text and over runs of byte-fallback tokens ("你"
 as <0xE4><0xBD><0xA0>, again and again) of 500 to 4,000 tokens, which show nothing until the
 run ends.
 
@@ -42,6 +42,10 @@ def main() -> None:
     directory = Path(tempfile.mkdtemp()) / "llama2"
     save_spm_tokenizer(directory)
     spm = load_hf_tokenizer(directory)
+    spm_ids = spm.tokenizer.encode(text, add_special_tokens=False).ids
+    us, shown = per_token_us(spm, spm_ids, holdback=4)
+    assert spm.decode(spm_ids).startswith(shown)
+    print(f"SentencePiece (the tests' Llama-2 style), the same text, {len(spm_ids):,} tokens: {us:.2f} us a token")
     ni = [spm.tokenizer.token_to_id(f"<0x{b:02X}>") for b in "你".encode()]
     for n in (500, 1000, 2000, 4000):
         us, shown = per_token_us(spm, ni * (n // 3))

@@ -19,6 +19,7 @@ from kvpool.models.gguf import read_tokenizer
 from kvpool.models.tokenizer import build_tokenizer, check_tokenizer_kind, spm_merges
 from kvpool.server.protocol import decoded_bytes
 from kvpool.server.text_stream import TextStream
+from test_gguf_chat_template import gguf_tokenizer
 from test_hf_spm import MESSAGES, TEXTS, _reference
 
 transformers = pytest.importorskip("transformers")
@@ -63,10 +64,6 @@ def write_spm_gguf(
     w.write_tensors_to_file()
     w.close()
     return str(path)
-
-
-def gguf_tokenizer(path):
-    return build_tokenizer(read_tokenizer(gguf.GGUFReader(str(path))))
 
 
 @pytest.fixture(scope="module")

@@ -608,9 +608,9 @@ def _random_llama(config):
 def _stopping_engine(tok, script: list[int]):
     """An engine over a random Llama that samples `script` (one id a position), stopping on
     the tokenizer's text as the built engine does (decode_text, textless_ids, byte_fallback)."""
-    from kvpool.engine.build import _byte_fallback
     from kvpool.engine.engine import Engine
     from kvpool.engine.llama_runner import llama_runner
+    from kvpool.models.tokenizer import byte_fallback_ids
     from random_llama import CONFIG, DESCRIPTOR
 
     specials = [i for i, added in tok.tokenizer.get_added_tokens_decoder().items() if added.special]
@@ -621,7 +621,7 @@ def _stopping_engine(tok, script: list[int]):
         max_num_seqs=2,
         decode_text=tok.decode,
         textless_ids=specials,
-        byte_fallback=_byte_fallback(tok.tokenizer),
+        byte_fallback=byte_fallback_ids(tok.tokenizer),
         sampler=lambda logits, params, index, position: script[position],
     )
 

@@ -8,20 +8,13 @@ import argparse
 from kvpool.bench.start import measure
 from kvpool.cli.args import positive_int
 from kvpool.cli.bench import call_with_flags, print_table, printed_json, stderr_progress
+from kvpool.cli.generate import _prompt as generate_prompt  # (generate's own check, before the first start)
 from kvpool.cli.options import add_engine_model_option, gguf_path
-
-
-def _prompt(text: str) -> str:
-    """generate's own check, here before the first start: an empty prompt was refused by each
-    start's `kvpool generate`, its error wrapped in bench start's ("argument prompt: ...")."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("the prompt is empty")
-    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=positive_int, default=5, help="warm starts to time")
-    parser.add_argument("--prompt", type=_prompt, default="hi", help="the prompt of each start")
+    parser.add_argument("--prompt", type=generate_prompt, default="hi", help="the prompt of each start")
     add_engine_model_option(parser)
 
 
