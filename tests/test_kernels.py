@@ -84,8 +84,9 @@ def test_head_rms_norm_norms_each_q_and_k_head_of_strided_rows_in_place(kernels,
     rest (V, and the row's padding) untouched; the bound of test_add_rms_norm over d values."""
     torch.manual_seed(d)
     n, hq, hk, total = 5, 4, 2, 8  # two V heads left alone
-    qkv = (torch.randn(n, total * d + 3) * 30)[:, : total * d]  # strided rows
-    before = qkv.clone()
+    rows = torch.randn(n, total * d + 3) * 30
+    qkv = rows[:, : total * d]  # strided rows: 3 padding values after each
+    before, padding = qkv.clone(), rows[:, total * d :].clone()
     wq, wk = torch.randn(d), torch.randn(d)
     kernels.head_rms_norm(qkv, hq, hk, d, wq, wk, EPS)
     x = before[:, : (hq + hk) * d].view(n, hq + hk, d)
@@ -98,6 +99,7 @@ def test_head_rms_norm_norms_each_q_and_k_head_of_strided_rows_in_place(kernels,
     assert twin_ulps <= d / 2 + 6
     assert kernel_ulps <= 2 * twin_ulps + 4, (kernel_ulps, twin_ulps)
     assert torch.equal(qkv[:, (hq + hk) * d :], before[:, (hq + hk) * d :])
+    assert torch.equal(rows[:, total * d :], padding)
     with pytest.raises(ValueError, match="wk must be a contiguous"):
         kernels.head_rms_norm(qkv, hq, hk, d, wq, torch.randn(d + 1), EPS)
     with pytest.raises(ValueError, match="does not hold 11 heads"):
