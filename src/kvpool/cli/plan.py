@@ -227,8 +227,8 @@ def run(args: argparse.Namespace) -> int:
         # flags that shape only another flag's output: alone they were dropped without a word
         if args.prompt_len is not None and args.pd is None:
             raise ValueError("--prompt-len sizes the prefill side of --pd P,D; give --pd too")
-        if args.plot is not None and not args.plot.strip():
-            check_plot_path(args.plot)  # (an empty path read as no --plot: nothing drawn, without a word)
+        if args.plot is not None:  # before the plan's work ("" too: read as no --plot, nothing was drawn)
+            check_plot_path(args.plot)
         if args.plot_models is not None and not args.plot:
             raise ValueError("--plot-models picks the presets of --plot FILE; give --plot too")
         if args.max_model_len is not None and args.max_model_len >= _MAX_CONTEXT:
@@ -254,7 +254,6 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("give --model NAME or --config PATH (or --plot FILE.png|svg|pdf alone)")
         plot_names: list[str] = []
         if args.plot:
-            check_plot_path(args.plot)
             plot_names = [n.strip() for n in (args.plot_models or ",".join(PLOT_MODELS)).split(",") if n.strip()]
             if not plot_names:
                 raise ValueError(f"--plot-models {args.plot_models!r} names no preset")
