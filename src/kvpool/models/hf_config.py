@@ -24,13 +24,12 @@ import torch
 from kvpool.models.gguf import LlamaConfig
 from kvpool.models.llama import QK_NORM_PARTS, LlamaModel, layer_parts
 from kvpool.models.rope import llama3_divisors
+from kvpool.spec.hf_defaults import HEAD_DIM_DEFAULTS  # (Qwen3Config's 128, not hidden / heads)
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # model_type values whose math models/llama.py computes
 # transformers' defaults that differ by model_type (Qwen2Config's and Qwen3Config's context: 32,768;
 # MistralConfig's 4096 x 32 = 131,072; LlamaConfig's 2,048 for the rest)
 MAX_POSITION_DEFAULTS = {"qwen2": 32768, "qwen3": 32768, "mistral": 131072}
-# Qwen3Config's head_dim where config.json has none: 128, not hidden / heads (transformers' Qwen3Attention reads it)
-HEAD_DIM_DEFAULTS = {"qwen3": 128}
 # the sliding_window that transformers' Qwen2Config and MistralConfig fill in where config.json has no key
 # (Qwen2 uses it only with use_sliding_window true; Mistral always: a window of 4096 positions)
 SLIDING_WINDOW_DEFAULT = 4096

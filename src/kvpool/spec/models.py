@@ -43,6 +43,7 @@ from typing import Any
 
 from kvpool.spec import dsv4 as dsv4_spec
 from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec
+from kvpool.spec.hf_defaults import HEAD_DIM_DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -546,25 +547,20 @@ def _hf_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     return fields
 
 
-# head_dim of transformers' config classes where config.json leaves it out (Qwen3Config,
-# Gemma2Config, Gemma3TextConfig, GptOssConfig); the other families derive hidden / heads.
-_HEAD_DIM_DEFAULTS: dict[str, int] = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256, "gpt_oss": 64}
-
-
 def _parse_gqa(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
     common = _hf_fields(cfg, model_type)
     L, h, heads = common["num_layers"], common["hidden_size"], common["num_heads"]
     kv_heads = _positive(cfg, "num_key_value_heads", model_type, default=heads)  # absent: MHA (HF's own default)
     # absent: transformers' own default, which for these families is a constant, not
     # hidden / heads (Qwen3-32B: 5120 / 64 = 80 for its 128)
-    if model_type in _HEAD_DIM_DEFAULTS and "head_dim" in cfg and cfg["head_dim"] is None:
+    if model_type in HEAD_DIM_DEFAULTS and "head_dim" in cfg and cfg["head_dim"] is None:
         # transformers 5.25's config class of these families refuses null (its field is an
         # int), Llama's / Qwen2's take it for hidden / heads
         raise ValueError(
             f"{model_type} config: head_dim must be a positive integer, got null "
-            f"(leave it out for the family's default, {_HEAD_DIM_DEFAULTS[model_type]})"
+            f"(leave it out for the family's default, {HEAD_DIM_DEFAULTS[model_type]})"
         )
-    head_dim = _positive(cfg, "head_dim", model_type, default=_HEAD_DIM_DEFAULTS.get(model_type, h // heads))
+    head_dim = _positive(cfg, "head_dim", model_type, default=HEAD_DIM_DEFAULTS.get(model_type, h // heads))
     gemma = model_type in ("gemma2", "gemma3_text")
     moe = None
     if model_type == "gpt_oss":
@@ -725,7 +721,7 @@ KNOWN_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_PARSERS))
 
 
 # transformers' Gemma3TextConfig defaults for the keys that shape the plan (checked against
-# transformers 5.25's Gemma3TextConfig()); head_dim's is _HEAD_DIM_DEFAULTS'.
+# transformers 5.25's Gemma3TextConfig()); head_dim's is HEAD_DIM_DEFAULTS'.
 _GEMMA3_TEXT_DEFAULTS: dict[str, int] = {
     "vocab_size": 262_208,
     "hidden_size": 2304,

@@ -1,0 +1,10 @@
+"""Defaults of transformers' config classes that kvpool reads a config.json with: the planner
+(spec/models.py) and the engine's HF loader (models/hf_config.py) take them from here, one table
+(importing spec/models.py for it cost the engine's loader ~150 ms)."""
+
+from __future__ import annotations
+
+# head_dim of transformers' config classes where config.json leaves it out (Qwen3Config,
+# Gemma2Config, Gemma3TextConfig, GptOssConfig): a constant, not hidden / heads (Qwen3-32B:
+# 5120 / 64 = 80 for its 128); the other families derive hidden / heads.
+HEAD_DIM_DEFAULTS: dict[str, int] = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256, "gpt_oss": 64}
