@@ -96,6 +96,13 @@ def test_a_bad_flag_or_value_is_one_line_and_status_2(capsys: pytest.CaptureFixt
         (["plan", "--gpu-memory-utilization", "1.5"], "kvpool plan: error: argument --gpu-memory-utilization: "),
         (["generate", "hi", "--model", "llama-3.1-8b"], "kvpool generate: error: argument --model: 'llama-3.1-8b' is"),
         (["verify", "pd", "--decode-tp", "0"], f"kvpool verify pd: error: argument --decode-tp: {positive}"),
+        # taken as a seed like any other (not llama.cpp's "-1 = random"); 2**63 was refused after the model
+        # loaded, naming no flag ("seed must be a 64-bit signed integer")
+        (
+            ["generate", "hi", "--seed", "-1"],
+            "kvpool generate: error: argument --seed: expected an integer in [0, 2**63)",
+        ),
+        (["generate", "hi", "--seed", str(2**63)], "kvpool generate: error: argument --seed: expected an integer in"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)

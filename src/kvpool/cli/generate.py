@@ -20,6 +20,7 @@ from kvpool.cli.args import (
     model_placement,
     non_negative_int,
     positive_int,
+    seed_int,
 )
 from kvpool.cli.options import (
     BLOCK_SIZE,
@@ -62,7 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, in (0, 1]")
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="keep the k most likely tokens; 0 = off")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    # [0, 2**63), as run's: -1 was taken as a seed like any other (llama.cpp's "-1 = random" drew the same
+    # tokens every time), 2**63 refused after the model loaded in words that named no flag
+    parser.add_argument(
+        "--seed", type=seed_int, default=0, help="the request's sampling seed: the same seed draws the same tokens"
+    )
     add_option(parser, BLOCK_SIZE, default=GENERATE_BLOCK_SIZE)
     parser.add_argument(
         "--num-blocks",
