@@ -103,6 +103,9 @@ def test_a_bad_flag_or_value_is_one_line_and_status_2(capsys: pytest.CaptureFixt
             "kvpool generate: error: argument --seed: expected an integer in [0, 2**63)",
         ),
         (["generate", "hi", "--seed", str(2**63)], "kvpool generate: error: argument --seed: expected an integer in"),
+        # getaddrinfo's "Name or service not known" for ''
+        (["serve", "--host", ""], "kvpool serve: error: argument --host: an empty address (''); give 127.0.0.1"),
+        (["serve", "--host", " "], "kvpool serve: error: argument --host: an empty address (' '); give 127.0.0.1"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)

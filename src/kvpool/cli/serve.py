@@ -57,7 +57,9 @@ def port(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
+    parser.add_argument(
+        "--host", type=_host, default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)"
+    )
     parser.add_argument("--port", type=port, default=8000, help="TCP port; 0 lets the system pick a free one")
     add_engine_model_option(parser, runs=(DEFAULT_MODEL,))  # (the tiny models have no tokenizer)
     parser.add_argument(
@@ -106,6 +108,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="warning",
         help="uvicorn's log level (info logs every request)",
     )
+
+
+def _host(text: str) -> str:
+    """--host: an address, not blank (getaddrinfo's "Name or service not known" for '' named
+    nothing the user could act on; Python's bind reads '' as every interface, which must be asked for)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"an empty address ({text!r}); give 127.0.0.1 (this machine) or 0.0.0.0 (every interface)"
+        )
+    return text
 
 
 def _bind(host: str, port_number: int) -> socket.socket:
