@@ -115,7 +115,7 @@ def test_token_bytes_are_each_tokens_utf8_bytes(spm_dir):
     tok = load_hf_tokenizer(spm_dir)
     tb, tt = decoded_bytes(tok.tokenizer), token_text(tok.tokenizer)
     size = tok.tokenizer.get_vocab_size()
-    assert tb.byte_tokens == frozenset(range(3, 259)) and tt.byte_tokens == tb.byte_tokens
+    assert tb.byte_tokens == {3 + b: b for b in range(256)} and tt.byte_tokens == tb.byte_tokens.keys()
     a = tok.tokenizer.token_to_id("a")
     for t in range(size):
         piece = tok.tokenizer.id_to_token(t)
@@ -728,7 +728,6 @@ def test_a_completion_keeps_the_space_its_first_token_carries(spm_dir):
     text_offset index it. A byte-level tokenizer takes no context (its decode has no strip)."""
     from hf_tiny import save_tokenizer
     from kvpool.server.protocol import TextOffsets, completion_logprobs
-    from kvpool.server.text_stream import prompt_context
 
     tok = load_hf_tokenizer(spm_dir)
     tb = decoded_bytes(tok.tokenizer)
@@ -738,15 +737,15 @@ def test_a_completion_keeps_the_space_its_first_token_carries(spm_dir):
     assert _run_stop(tok, out, ("\x00",), prompt) == (len(out), " lazy dog", "length")
     assert _run_stop(tok, out, (" lazy",), prompt) == (1, "", "stop")  # a stop string the space begins
     assert _run_stop(tok, out, ("y d",), prompt) == (2, " laz", "stop")
-    stream = TextStream(tok.decode, tb).start_after(prompt_context(prompt, len(prompt), tb))
+    stream = TextStream(tok.decode, tb).start_after(tb.context(prompt, len(prompt)))
     assert [stream.advance([t], None) for t in out] == [" lazy", " d", "o", "g"]
     tt = token_text(tok.tokenizer)
-    after = bool(prompt_context(prompt, len(prompt), tb))
+    after = bool(tb.context(prompt, len(prompt)))
     lp = completion_logprobs([(0.0, [])] * len(out), out, tt, TextOffsets(tt, after))
     assert "".join(lp["tokens"]) == " lazy dog"
     assert all(" lazy dog"[o : o + len(t)] == t for o, t in zip(lp["text_offset"], lp["tokens"], strict=True))
     # a prompt that leaves a character open (a lead byte): no context (its run joins the output's)
-    assert prompt_context([*prompt, 3 + 0xC3], len(prompt) + 1, tb) == []
+    assert tb.context([*prompt, 3 + 0xC3], len(prompt) + 1) == []
     # final read #1: a prompt whose text ends in a whole byte-run character ("\n" is <0x0A>, as in
     # Llama 2's vocabulary: chat prompts end in it) kept the strip: "lazy dog". An ASCII letter's
     # byte token is the context: the output as prompt + output decode it, in the engine, the
@@ -756,7 +755,7 @@ def test_a_completion_keeps_the_space_its_first_token_carries(spm_dir):
     whole = tok.decode([*newline, *out])
     assert whole.endswith("\n lazy dog") and _in_context(tok, newline, out) == " lazy dog"
     assert _run_stop(tok, out, ("\x00",), newline) == (len(out), " lazy dog", "length")
-    context = prompt_context(newline, len(newline), tb)
+    context = tb.context(newline, len(newline))
     assert context == [3 + ord("A")]
     stream = TextStream(tok.decode, tb).start_after(context)
     assert [stream.advance([t], None) for t in out] == [" lazy", " d", "o", "g"]
@@ -764,4 +763,4 @@ def test_a_completion_keeps_the_space_its_first_token_carries(spm_dir):
     assert all(" lazy dog"[o : o + len(t)] == t for o, t in zip(lp["text_offset"], lp["tokens"], strict=True))
     save_tokenizer(spm_dir.parent / "bl")
     bl = load_hf_tokenizer(spm_dir.parent / "bl")
-    assert prompt_context(bl.encode("over the"), 2, decoded_bytes(bl.tokenizer)) == []
+    assert decoded_bytes(bl.tokenizer).context(bl.encode("over the"), 2) == []

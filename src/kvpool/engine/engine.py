@@ -1794,30 +1794,17 @@ class Engine:
     def _output_text(self, seq: SequenceState, ids: list[int]) -> str:
         """The text of output tokens `ids` (from the output's first): for a SentencePiece-style
         decoder, decoded after the prompt's last tokens of text and their text cut off (its
-        first-space strip took the space of the output's first piece; server/text_stream.py
-        prompt_context is the same rule), as the whole prompt and output decode it."""
+        first-space strip took the space of the output's first piece: models/tokenizer.py
+        decode_context, the server's and generate's stream's rule too), as the whole prompt and
+        output decode it."""
         if self.byte_fallback is None:
             return self.decode_text(ids)
         if seq.spm_context is None:
-            context: list[int] = []
-            tokens, i = seq.token_ids, seq.request.num_prompt_tokens
-            while i > 0 and len(context) < 4:
-                i -= 1
-                if tokens[i] not in self.textless_ids:
-                    if not context and tokens[i] in self.byte_fallback:
-                        # (a byte run ends the prompt's text: where it ends a character, an ASCII
-                        # letter's byte token in its place, as server/text_stream.py prompt_context)
-                        j = i  # (the run's last 4 bytes at most tell whether a character is open)
-                        while j > max(0, i - 3) and tokens[j - 1] in self.byte_fallback:
-                            j -= 1
-                        run = bytes(self.byte_fallback[t] for t in tokens[j : i + 1])
-                        open_char = codecs.getincrementaldecoder("utf-8")("replace")
-                        open_char.decode(run)
-                        if self._plain_byte is not None and not open_char.getstate()[0]:
-                            context = [self._plain_byte]
-                        break
-                    context.append(tokens[i])
-            context.reverse()
+            from kvpool.models.tokenizer import decode_context  # (the tokenizers library: not the simulator's)
+
+            context = decode_context(
+                seq.token_ids, seq.request.num_prompt_tokens, self.byte_fallback, self.textless_ids, self._plain_byte
+            )
             seq.spm_context = (context, self.decode_text(context) if context else "")
         context, before = seq.spm_context
         if not context:

@@ -18,9 +18,10 @@ llama.cpp reads it (_build_spm).
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
-from collections.abc import Mapping
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NoReturn
@@ -417,3 +418,69 @@ def byte_fallback_ids(tokenizer: Any) -> dict[int, int] | None:
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     pieces = ((i, tokenizer.id_to_token(i)) for i in range(size) if i not in added)
     return {i: int(piece[3:5], 16) for i, piece in pieces if is_byte_fallback_piece(piece)}
+
+
+# the prompt's last tokens of text a SentencePiece-style output is decoded after (decode_context)
+PROMPT_CONTEXT_TOKENS = 4
+
+
+def incomplete_tail(data: bytes) -> int:
+    """How many of the last bytes of `data` are an incomplete UTF-8 character (0-3): a lead
+    byte still waiting for its continuation bytes, with those it has. Such a tail is 1-3 bytes
+    from a lead byte on, so the last 3 bytes tell (a byte before that lead is a whole character
+    or an invalid byte)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data[-3:])
+    return len(decoder.getstate()[0])
+
+
+def ascii_letter_byte(byte_fallback: Mapping[int, int] | None) -> int | None:
+    """The byte-fallback token of the lowest ASCII letter ("<0x41>", 'A'; None: none). Put
+    before a byte run it keeps the run's validity (one ASCII byte, one character whether the
+    run decodes as UTF-8 or as one U+FFFD a byte) and the decoder's first-space strip off
+    what follows it: decode_context's context after a prompt ending in a byte token, and the
+    engine's stop-string window cut inside a run."""
+    letters = [(b, i) for i, b in (byte_fallback or {}).items() if 0x41 <= b <= 0x5A or 0x61 <= b <= 0x7A]
+    return min(letters)[1] if letters else None
+
+
+def decode_context(
+    token_ids: Sequence[int],
+    num_prompt: int,
+    byte_fallback: Mapping[int, int] | None,
+    textless: Container[int],
+    letter: int | None,
+) -> list[int]:
+    """The tokens a SentencePiece-style decoder's output is decoded after, their text then cut
+    off (the engine's text, the server's and generate's stream alike): its decoder strips the
+    first space of the text it decodes, so the output decoded alone lost the space of its first
+    piece ("\u2581lazy" after "... over the" gave "lazy"). The prompt's (`token_ids[:num_prompt]`)
+    last PROMPT_CONTEXT_TOKENS tokens of text (`textless`: tokens the decode skips, special
+    ones), as vLLM's detokenizer starts from the prompt's last tokens. None for byte-level BPE
+    (`byte_fallback` None: no strip, its output decodes alone). Where the prompt's last token of
+    text is a byte-fallback token (`byte_fallback`: id -> byte) ending a character, `letter`
+    (ascii_letter_byte) alone: the prompt's tokens would join the output's byte run, and the
+    letter keeps the strip off the output's first space as the prompt's whole run does ("\n" is
+    <0x0A> in Llama 2's vocabulary: chat prompts end in it). None where that byte leaves a
+    character open (its bytes would join the output's)."""
+    if byte_fallback is None:
+        return []
+    context: list[int] = []
+    i = num_prompt
+    while i > 0 and len(context) < PROMPT_CONTEXT_TOKENS:
+        i -= 1
+        token = token_ids[i]
+        if token in textless:
+            continue
+        if not context and token in byte_fallback:
+            tail = b""  # the run's last 3 bytes (a skipped token between two bytes: they join)
+            j = i
+            while j >= 0 and len(tail) < 3:
+                if token_ids[j] in byte_fallback:
+                    tail = bytes((byte_fallback[token_ids[j]],)) + tail
+                elif token_ids[j] not in textless:
+                    break
+                j -= 1
+            return [] if letter is None or incomplete_tail(tail) else [letter]
+        context.append(token)
+    return context[::-1]

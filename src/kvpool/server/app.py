@@ -61,7 +61,6 @@ from kvpool.server.engine_thread import Delta, EngineThread, Event, Failed, Fini
 from kvpool.server.metrics import ServerMetrics
 from kvpool.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenBound, TokenText
 from kvpool.server.protocol import token_text as protocol_token_text
-from kvpool.server.text_stream import prompt_context
 
 TENANT_HEADER = "x-tenant-id"
 # The longest prompt a 128k-token context holds is about 0.5 MB of text (1.5 MB as JSON
@@ -440,7 +439,8 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             events = engine.submit(request_id, prompt_ids, params, tenant)
         except RuntimeError as error:
             raise _not_running(state, error) from None
-        after_prompt = bool(prompt_context(prompt_ids, len(prompt_ids), getattr(engine, "token_bytes", None)))
+        context = getattr(getattr(engine, "token_bytes", None), "context", None)
+        after_prompt = context is not None and bool(context(prompt_ids, len(prompt_ids)))
         shape = _Shape(
             request_id,
             state.model_name,
@@ -491,7 +491,7 @@ class _Shape:
         after_prompt: bool = False,
     ) -> None:
         self.id, self.model, self.chat, self.tt, self.logprobs = request_id, model, chat, token_text, logprobs
-        # the samples' text is decoded after the prompt's last tokens (text_stream.prompt_context):
+        # the samples' text is decoded after the prompt's last tokens (TokenBytes.context):
         # the decoder's first-space strip does not apply to it
         self.after_prompt = after_prompt
         self.include_usage = include_usage

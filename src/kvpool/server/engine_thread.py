@@ -41,7 +41,7 @@ from typing import TypeVar
 
 from kvpool.engine.engine import Engine, RequestOutput, SequenceState
 from kvpool.engine.sampling import SamplingParams
-from kvpool.server.text_stream import TextStream, prompt_context
+from kvpool.server.text_stream import TextStream
 
 _T = TypeVar("_T")
 
@@ -89,6 +89,7 @@ class _Tracked:
     queue: asyncio.Queue[Event]
     holdback: int  # characters held back while a stop string may be forming
     samples: dict[int, _SampleStream] = field(default_factory=dict)
+    context: list[int] | None = None  # the prompt tokens its samples' text is decoded after (TokenBytes.context)
 
 
 class EngineThread:
@@ -289,8 +290,10 @@ class EngineThread:
         stream = tracked.samples.get(seq.sample_index)
         if stream is None:
             text_stream = TextStream(self.decode, self.token_bytes, tracked.holdback)
-            if getattr(self.token_bytes, "byte_tokens", None) is not None:  # SentencePiece-style: the prompt's context
-                text_stream.start_after(prompt_context(seq.token_ids, seq.request.num_prompt_tokens, self.token_bytes))
+            if tracked.context is None:  # (once a request: its samples share the prompt)
+                context = getattr(self.token_bytes, "context", None)
+                tracked.context = [] if context is None else context(seq.token_ids, seq.request.num_prompt_tokens)
+            text_stream.start_after(tracked.context)
             stream = tracked.samples[seq.sample_index] = _SampleStream(text_stream)
         if stream.done:
             return None

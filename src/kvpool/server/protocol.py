@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints,
 
 from kvpool.engine.engine import RequestOutput
 from kvpool.engine.sampling import MAX_STOP_CHARS, SEED_MAX, SEED_MIN
-from kvpool.server.text_stream import TokenBytes, fallback_text, incomplete_tail
+from kvpool.models.tokenizer import ascii_letter_byte, incomplete_tail
+from kvpool.server.text_stream import TokenBytes, fallback_text
 
 MAX_N = 16  # samples per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -480,15 +481,13 @@ def decoded_bytes(tokenizer: Any) -> TokenBytes:
     token's are none. `tokenizer` is the `tokenizers.Tokenizer` (byte-level BPE or
     SentencePiece-style: the TokenBytes says which, and so how TextStream decodes)."""
     tt = token_text(tokenizer)
-    skipped = {token_id for token_id, added in tokenizer.get_added_tokens_decoder().items() if added.special}
+    skipped = tt.skipped
 
     def token_bytes(token_id: int) -> bytes:
         return b"" if token_id in skipped else bytes(tt.bytes(token_id))
 
-    plain = None
-    if tt.byte_tokens is not None:  # (the first ASCII letter's byte token)
-        plain = min((i for i in tt.byte_tokens if bytes(tt.bytes(i)).isalpha()), key=tt.bytes, default=None)
-    return TokenBytes(token_bytes, tt.byte_tokens, plain)
+    byte_fallback = None if tt.byte_tokens is None else {i: tt.bytes(i)[0] for i in tt.byte_tokens}
+    return TokenBytes(token_bytes, byte_fallback, skipped, ascii_letter_byte(byte_fallback))
 
 
 class TokenBound:
@@ -526,7 +525,7 @@ class TextOffsets:
     def __init__(self, tt: TokenText, after_prompt: bool = False) -> None:
         self.tt = tt
         # the first space is stripped where the decoder strips it and the text was decoded
-        # alone, not after the prompt's last tokens (text_stream.prompt_context)
+        # alone, not after the prompt's last tokens (models/tokenizer.py decode_context)
         self.strips = tt.strips_first_space and not after_prompt
         self.chars = 0  # characters of the text before `pending` (the first space not yet stripped)
         self.first = ""  # the text's first character, once there is one

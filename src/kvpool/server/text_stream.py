@@ -24,57 +24,35 @@ costs the same however long the run.
 
 from __future__ import annotations
 
-import codecs
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+from kvpool.models.tokenizer import decode_context, incomplete_tail
 
 
 @dataclass(frozen=True, slots=True)
 class TokenBytes:
     """A token id's bytes as the text's decode joins them (a skipped special token's: none),
     and the decoder's kind: `byte_tokens` None for byte-level BPE, else a SentencePiece-style
-    decoder's byte-fallback token ids."""
+    decoder's byte-fallback tokens, id -> byte."""
 
     of: Callable[[int], bytes]
-    byte_tokens: frozenset[int] | None = None
-    # a byte-fallback token of an ASCII letter (None: none, or byte-level BPE): the context an
-    # output is decoded after when the prompt's text ends in a byte-fallback token (`prompt_context`)
-    plain_byte: int | None = None
+    byte_tokens: Mapping[int, int] | None = None
+    skipped: frozenset[int] = frozenset()  # the special tokens the decode skips (bytes: none)
+    # a byte-fallback token of an ASCII letter (models/tokenizer.py ascii_letter_byte)
+    letter: int | None = None
 
     def __call__(self, token_id: int) -> bytes:
         return self.of(token_id)
 
+    def context(self, token_ids: list[int], num_prompt: int) -> list[int]:
+        """The prompt tokens a sample's text is decoded after (models/tokenizer.py
+        decode_context: none for byte-level BPE)."""
+        return decode_context(token_ids, num_prompt, self.byte_tokens, self.skipped, self.letter)
+
 
 # a SentencePiece-style stream's context is moved up to its newest token once it spans more tokens
 _CONTEXT_TOKENS = 8
-# the prompt's last tokens of text a SentencePiece-style output is decoded after
-PROMPT_CONTEXT_TOKENS = 4
-
-
-def prompt_context(token_ids: list[int], num_prompt: int, token_bytes: Callable[[int], bytes] | None) -> list[int]:
-    """The prompt's last tokens (of `token_ids[:num_prompt]`) that a SentencePiece-style
-    output is decoded after, its decode cut off: the decoder strips the first space of the
-    text it decodes, so the output decoded alone lost the space of its first piece ("▁lazy"
-    after "... over the" gave "lazy"). Up to PROMPT_CONTEXT_TOKENS tokens of text; none for
-    byte-level BPE (no strip: its output decodes alone) or where the prompt's last token of
-    text is a byte-fallback token ending a character: then one byte token of an ASCII letter (`TokenBytes.plain_byte`),
-    which keeps the strip off the output's first space and joins its bytes as the prompt's
-    whole byte run does ("\\n" is <0x0A> in Llama 2's vocabulary: chat prompts end in it)."""
-    byte_tokens = getattr(token_bytes, "byte_tokens", None)
-    if byte_tokens is None:
-        return []
-    context: list[int] = []
-    i = num_prompt
-    while i > 0 and len(context) < PROMPT_CONTEXT_TOKENS:
-        i -= 1
-        if token_bytes(token_ids[i]):
-            if not context and token_ids[i] in byte_tokens:
-                plain = getattr(token_bytes, "plain_byte", None)
-                if plain is None or ends_inside_a_character(token_ids[: i + 1], token_bytes):
-                    return []  # (a character the prompt leaves open: its bytes would join the output's)
-                return [plain]
-            context.append(token_ids[i])
-    return context[::-1]
 
 
 @dataclass(slots=True)
@@ -102,7 +80,7 @@ class TextStream:
     run_before: str | None = None
 
     def start_after(self, context: list[int]) -> TextStream:
-        """Decode the output after these prompt tokens (prompt_context), their text cut off."""
+        """Decode the output after these prompt tokens (TokenBytes.context), their text cut off."""
         if context:
             self.visible = list(context)
             self.num_stable_tokens = len(context)
@@ -197,18 +175,9 @@ def fallback_text(data: bytes) -> str:
         return "\ufffd" * len(data)
 
 
-def incomplete_tail(data: bytes) -> int:
-    """How many of the last bytes of `data` are an incomplete UTF-8 character (0-3)."""
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    decoder.decode(data[-3:])
-    return len(decoder.getstate()[0])
-
-
 def ends_inside_a_character(token_ids: list[int], token_bytes: Callable[[int], bytes] | None) -> bool:
     """Whether the bytes of `token_ids` end inside a UTF-8 character: a lead byte still
-    waiting for continuation bytes (True when `token_bytes` is None: it cannot be told). Such
-    a tail is 1-3 bytes from a lead byte on, so the last 3 bytes tell (a byte before that lead
-    is a whole character or an invalid byte)."""
+    waiting for continuation bytes (True when `token_bytes` is None: it cannot be told)."""
     if token_bytes is None:
         return True
     tail = b""
@@ -216,6 +185,4 @@ def ends_inside_a_character(token_ids: list[int], token_bytes: Callable[[int], b
         tail = token_bytes(token_id) + tail
         if len(tail) >= 3:
             break
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    decoder.decode(tail[-3:])
-    return bool(decoder.getstate()[0])  # the bytes it holds for the character's rest
+    return incomplete_tail(tail) > 0
