@@ -740,15 +740,16 @@ def test_a_completion_keeps_the_space_its_first_token_carries(spm_dir):
     assert _run_stop(tok, out, ("\x00",), prompt) == (len(out), " lazy dog", "length")
     assert _run_stop(tok, out, (" lazy",), prompt) == (1, "", "stop")  # a stop string the space begins
     assert _run_stop(tok, out, ("y d",), prompt) == (2, " laz", "stop")
-    stream = TextStream(tok.decode, tb).start_after(tb.context(prompt, len(prompt)))
+    stream = TextStream(tok.decode, tb).start_after(*tb.context(prompt, len(prompt)))
     assert [stream.advance([t], None) for t in out] == [" lazy", " d", "o", "g"]
     tt = token_text(tok.tokenizer)
-    after = bool(tb.context(prompt, len(prompt)))
+    after = bool(tb.context(prompt, len(prompt))[0])
     lp = completion_logprobs([(0.0, [])] * len(out), out, tt, TextOffsets(tt, after))
     assert "".join(lp["tokens"]) == " lazy dog"
     assert all(" lazy dog"[o : o + len(t)] == t for o, t in zip(lp["text_offset"], lp["tokens"], strict=True))
-    # a prompt that leaves a character open (a lead byte): no context (its run joins the output's)
-    assert tb.context([*prompt, 3 + 0xC3], len(prompt) + 1) == []
+    # a prompt that leaves a character open (a lead byte): its bytes are the output's
+    # (test_a_character_the_prompt_leaves_open_is_the_completions)
+    assert tb.context([*prompt, 3 + 0xC3], len(prompt) + 1) == ([3 + ord("A"), 3 + 0xC3], 1)
     # final read #1: a prompt whose text ends in a whole byte-run character ("\n" is <0x0A>, as in
     # Llama 2's vocabulary: chat prompts end in it) kept the strip: "lazy dog". An ASCII letter's
     # byte token is the context: the output as prompt + output decode it, in the engine, the
@@ -759,11 +760,81 @@ def test_a_completion_keeps_the_space_its_first_token_carries(spm_dir):
     assert whole.endswith("\n lazy dog") and _in_context(tok, newline, out) == " lazy dog"
     assert _run_stop(tok, out, ("\x00",), newline) == (len(out), " lazy dog", "length")
     context = tb.context(newline, len(newline))
-    assert context == [3 + ord("A")]
-    stream = TextStream(tok.decode, tb).start_after(context)
+    assert context == ([3 + ord("A")], 1)
+    stream = TextStream(tok.decode, tb).start_after(*context)
     assert [stream.advance([t], None) for t in out] == [" lazy", " d", "o", "g"]
-    lp = completion_logprobs([(0.0, [])] * len(out), out, tt, TextOffsets(tt, bool(context)))
+    lp = completion_logprobs([(0.0, [])] * len(out), out, tt, TextOffsets(tt, bool(context[0])))
     assert all(" lazy dog"[o : o + len(t)] == t for o, t in zip(lp["text_offset"], lp["tokens"], strict=True))
     save_tokenizer(spm_dir.parent / "bl")
     bl = load_hf_tokenizer(spm_dir.parent / "bl")
-    assert decoded_bytes(bl.tokenizer).context(bl.encode("over the"), 2) == []
+    assert decoded_bytes(bl.tokenizer).context(bl.encode("over the"), 2) == ([], 0)
+
+
+def _decode_stream(ref, prompt: list[int], ids: list[int]) -> str:
+    """vLLM's detokenizer's text of `ids`: tokenizers' DecodeStream (AutoTokenizer's backend)
+    primed with the prompt, then the output's pieces joined (as vLLM's FastIncrementalDetokenizer;
+    it primes a clean suffix of the prompt, the same here)."""
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream(skip_special_tokens=True)
+    for t in prompt:
+        stream.step(ref.backend_tokenizer, t)
+    return "".join(stream.step(ref.backend_tokenizer, t) or "" for t in ids)
+
+
+def test_a_character_the_prompt_leaves_open_is_the_completions(spm_dir):
+    """A raw-id prompt that ends inside a UTF-8 character (the first byte token of 'é' in a
+    byte-fallback vocabulary) got no decode context: its output was decoded alone, "lazy dog"
+    after <0xC3> (the whole decode: "the\ufffd lazy dog"), "\ufffd lazy dog" for <0xA9> "▁lazy ..."
+    (the whole decode: "theé lazy dog"). Now the character is the output's, as vLLM's
+    detokenizer shows it (tokenizers' DecodeStream primed with the prompt): 'é' where the
+    output's bytes complete it, U+FFFD where they do not; the engine's text, the stream and
+    logprobs' text_offset alike. A prompt whose run holds an invalid byte before the open
+    character keeps the ASCII letter context (all the run's bytes are U+FFFD whatever follows:
+    the output's part of the whole decode, where DecodeStream shows the prompt's bytes too)."""
+    from kvpool.server.protocol import TextOffsets, completion_logprobs
+
+    tok, ref = load_hf_tokenizer(spm_dir), _reference(spm_dir)
+    tb, tt = decoded_bytes(tok.tokenizer), token_text(tok.tokenizer)
+    prompt = tok.encode("The quick brown fox jumps over the")
+    out = tok.tokenizer.encode(" lazy dog", add_special_tokens=False).ids
+    b = [3 + x for x in range(256)]  # (byte n's token)
+    cases = [  # (the prompt's last tokens, the output's first, vLLM's text)
+        ([b[0xC3]], [b[0xA9]], "é lazy dog"),
+        ([b[0xC3]], [], "\ufffd lazy dog"),
+        ([b[0xE2], b[0x82]], [b[0xAC]], "€ lazy dog"),
+        ([b[0xE2]], [b[0x82], b[0xAC]], "€ lazy dog"),
+        ([b[0xF0], 0, b[0x9F]], [b[0x98], b[0x80]], "😀 lazy dog"),  # (a special token inside the run: skipped)
+        ([b[0xC3]], [b[ord("A")]], "\ufffd\ufffd lazy dog"),  # (the run turns invalid: both bytes U+FFFD)
+        ([b[0xC3], b[0xA9], b[0xE2]], [b[0x82], b[0xAC]], "€ lazy dog"),
+    ]
+    for end, first, expected in cases:
+        full, ids = [*prompt, *end], [*first, *out]
+        assert _decode_stream(ref, full, ids) == expected, (end, first)
+        context = tb.context(full, len(full))
+        assert context[1] == 1 and len(context[0]) > 1, context
+        assert _run_stop(tok, ids, ("\x00",), full) == (len(ids), expected, "length"), (end, first)
+        stream = TextStream(tok.decode, tb).start_after(*context)
+        shown = "".join(stream.advance([t], None) for t in ids) + stream.advance([], "abort")
+        assert shown == expected, (end, first, shown)
+        carried = b"".join(tb(t) for t in context[0][context[1] :])
+        lp = completion_logprobs([(0.0, [])] * len(ids), ids, tt, TextOffsets(tt, True, carried))
+        offsets = lp["text_offset"]  # (the bytes of 'é' start where it does: 0)
+        assert offsets == sorted(offsets) and offsets[len(first)] == expected.index(" lazy"), offsets
+        pieces = [(o, t) for o, t, i in zip(offsets, lp["tokens"], ids, strict=True) if i not in tb.byte_tokens]
+        assert all(expected[o:].startswith(t) for o, t in pieces), (offsets, lp["tokens"])
+        assert all(o == 0 for o in offsets[: len(first)]) or "\ufffd\ufffd" in expected, offsets
+    # the run holds an invalid byte before the open character: the letter alone, as before
+    for end in ([b[0xFF], b[0xC3]], [b[0x80], b[0xE2], b[0x82]]):
+        full = [*prompt, *end]
+        assert tb.context(full, len(full)) == ([b[ord("A")]], 1)
+        assert _run_stop(tok, out, ("\x00",), full) == (len(out), " lazy dog", "length")
+        whole, before = tok.decode([*full, *out]), tok.decode(full)
+        assert whole == before + " lazy dog"  # (the output's part of the whole decode)
+    # a prompt ending in a whole character's byte ("\n": the letter is the context) and an output
+    # whose first byte turns the letter's run invalid: the stream showed nothing, token after
+    # token, until the sample's end (the window no longer began with the letter's text)
+    full, ids = [*prompt, b[0x0A]], [b[0xA9], *out]
+    stream = TextStream(tok.decode, tb).start_after(*tb.context(full, len(full)))
+    assert [stream.advance([t], None) for t in ids] == ["", "\ufffd lazy", " d", "o", "g"]
+    assert _run_stop(tok, ids, ("\x00",), full) == (len(ids), "\ufffd lazy dog", "length")

@@ -1794,23 +1794,24 @@ class Engine:
     def _output_text(self, seq: SequenceState, ids: list[int]) -> str:
         """The text of output tokens `ids` (from the output's first): for a SentencePiece-style
         decoder, decoded after the prompt's last tokens of text and their text cut off (its
-        first-space strip took the space of the output's first piece: models/tokenizer.py
-        decode_context, the server's and generate's stream's rule too), as the whole prompt and
-        output decode it."""
+        first-space strip took the space of the output's first piece; a character the prompt
+        leaves open is the output's: models/tokenizer.py decode_context, the server's and
+        generate's stream's rule too), as the whole prompt and output decode it."""
         if self.byte_fallback is None:
             return self.decode_text(ids)
         if seq.spm_context is None:
             from kvpool.models.tokenizer import decode_context  # (the tokenizers library: not the simulator's)
 
-            context = decode_context(
+            context, num_cut = decode_context(
                 seq.token_ids, seq.request.num_prompt_tokens, self.byte_fallback, self.textless_ids, self._plain_byte
             )
-            seq.spm_context = (context, self.decode_text(context) if context else "")
+            seq.spm_context = (context, self.decode_text(context[:num_cut]) if context else "")
         context, before = seq.spm_context
         if not context:
             return self.decode_text(ids)
-        text = self.decode_text([*context, *ids])
-        return text[len(before) :] if text.startswith(before) else self.decode_text(ids)
+        # (as many characters as its own text: a letter ending it that the output's bytes turn
+        # invalid, with the run it joins, is one U+FFFD)
+        return self.decode_text([*context, *ids])[len(before) :]
 
     def _spm_window(self, seq: SequenceState, longest: int) -> str:
         """The text of the output's last tokens (4 x `longest` + 6 of text) as the whole

@@ -450,21 +450,28 @@ def decode_context(
     byte_fallback: Mapping[int, int] | None,
     textless: Container[int],
     letter: int | None,
-) -> list[int]:
-    """The tokens a SentencePiece-style decoder's output is decoded after, their text then cut
-    off (the engine's text, the server's and generate's stream alike): its decoder strips the
-    first space of the text it decodes, so the output decoded alone lost the space of its first
-    piece ("\u2581lazy" after "... over the" gave "lazy"). The prompt's (`token_ids[:num_prompt]`)
-    last PROMPT_CONTEXT_TOKENS tokens of text (`textless`: tokens the decode skips, special
-    ones), as vLLM's detokenizer starts from the prompt's last tokens. None for byte-level BPE
-    (`byte_fallback` None: no strip, its output decodes alone). Where the prompt's last token of
-    text is a byte-fallback token (`byte_fallback`: id -> byte) ending a character, `letter`
-    (ascii_letter_byte) alone: the prompt's tokens would join the output's byte run, and the
-    letter keeps the strip off the output's first space as the prompt's whole run does ("\n" is
-    <0x0A> in Llama 2's vocabulary: chat prompts end in it). None where that byte leaves a
-    character open (its bytes would join the output's)."""
+) -> tuple[list[int], int]:
+    """(context, num_cut): the tokens a SentencePiece-style decoder's output is decoded after,
+    and how many of the first of them have their text cut off (the engine's text, the server's
+    and generate's stream alike: decode(context + output) less the text of context[:num_cut]):
+    its decoder strips the first space of the text it decodes, so the output decoded alone lost
+    the space of its first piece ("\u2581lazy" after "... over the" gave "lazy").
+
+    The prompt's (`token_ids[:num_prompt]`) last PROMPT_CONTEXT_TOKENS tokens of text, all cut
+    (`textless`: tokens the decode skips, special ones), as vLLM's detokenizer starts from the
+    prompt's last tokens. None for byte-level BPE (`byte_fallback` None: no strip, its output
+    decodes alone). Where the prompt's text ends in a byte-fallback token (`byte_fallback`:
+    id -> byte), `letter` (ascii_letter_byte), cut: the prompt's tokens would join the output's
+    byte run, and the letter keeps the strip off the output's first space as the prompt's whole
+    run does ("\n" is <0x0A> in Llama 2's vocabulary: chat prompts end in it); one ASCII byte
+    leaves the run valid or not as it was, and is one character either way. Where the run ends
+    inside a character (a raw-id prompt cut after the first byte of 'é'), its bytes follow the
+    letter, not cut: the character is the output's, as vLLM's detokenizer (tokenizers'
+    DecodeStream primed with the prompt) shows it, completed ('é') or not (U+FFFD); where the
+    run holds an invalid byte before it (all its bytes U+FFFD, whatever follows), the letter
+    alone."""
     if byte_fallback is None:
-        return []
+        return [], 0
     context: list[int] = []
     i = num_prompt
     while i > 0 and len(context) < PROMPT_CONTEXT_TOKENS:
@@ -472,15 +479,30 @@ def decode_context(
         token = token_ids[i]
         if token in textless:
             continue
-        if not context and token in byte_fallback:
-            tail = b""  # the run's last 3 bytes (a skipped token between two bytes: they join)
-            j = i
-            while j >= 0 and len(tail) < 3:
-                if token_ids[j] in byte_fallback:
-                    tail = bytes((byte_fallback[token_ids[j]],)) + tail
-                elif token_ids[j] not in textless:
-                    break
-                j -= 1
-            return [] if letter is None or incomplete_tail(tail) else [letter]
-        context.append(token)
-    return context[::-1]
+        if context or token not in byte_fallback:
+            context.append(token)
+            continue
+        if letter is None:
+            return [], 0
+        # the run's bytes, last first (a skipped token between two bytes: they join), and where
+        # each is: its last 3 tell whether a character is open; then all of it, whether valid
+        run, at = bytearray(), []
+        j = i
+        while j >= 0 and (token_ids[j] in byte_fallback or token_ids[j] in textless) and len(run) < 3:
+            if token_ids[j] in byte_fallback:
+                run.append(byte_fallback[token_ids[j]])
+                at.append(j)
+            j -= 1
+        open_bytes = incomplete_tail(bytes(run[::-1]))
+        if not open_bytes:
+            return [letter], 1
+        while j >= 0 and (token_ids[j] in byte_fallback or token_ids[j] in textless):
+            if token_ids[j] in byte_fallback:
+                run.append(byte_fallback[token_ids[j]])
+            j -= 1
+        try:
+            bytes(run[open_bytes:][::-1]).decode()
+        except UnicodeDecodeError:
+            return [letter], 1
+        return [letter, *token_ids[at[open_bytes - 1] : i + 1]], 1
+    return context[::-1], len(context)

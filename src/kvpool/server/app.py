@@ -439,8 +439,9 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             events = engine.submit(request_id, prompt_ids, params, tenant)
         except RuntimeError as error:
             raise _not_running(state, error) from None
-        context = getattr(getattr(engine, "token_bytes", None), "context", None)
-        after_prompt = context is not None and bool(context(prompt_ids, len(prompt_ids)))
+        token_bytes = getattr(engine, "token_bytes", None)
+        context_of = getattr(token_bytes, "context", None)  # (a TokenBytes: SentencePiece-style, a context)
+        context, num_cut = context_of(prompt_ids, len(prompt_ids)) if context_of is not None else ([], 0)
         shape = _Shape(
             request_id,
             state.model_name,
@@ -448,7 +449,8 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             token_text,
             params.logprobs is not None,
             body.include_usage,
-            after_prompt,
+            bool(context),
+            b"".join(token_bytes(t) for t in context[num_cut:]) if context_of is not None else b"",
         )
         if body.stream:
             return StreamingResponse(
@@ -489,11 +491,13 @@ class _Shape:
         logprobs: bool,
         include_usage: bool = False,
         after_prompt: bool = False,
+        carried: bytes = b"",
     ) -> None:
         self.id, self.model, self.chat, self.tt, self.logprobs = request_id, model, chat, token_text, logprobs
         # the samples' text is decoded after the prompt's last tokens (TokenBytes.context):
-        # the decoder's first-space strip does not apply to it
-        self.after_prompt = after_prompt
+        # the decoder's first-space strip does not apply to it; `carried`: the bytes of a
+        # character the prompt leaves open, the samples' text's first
+        self.after_prompt, self.carried = after_prompt, carried
         self.include_usage = include_usage
         self.created = protocol.now()
         self.object = "chat.completion" if chat else "text_completion"
@@ -504,7 +508,9 @@ class _Shape:
             return None
         if self.chat:
             return protocol.chat_logprobs(delta.logprobs, delta.token_ids, self.tt)
-        offsets = self.text_offsets.setdefault(delta.index, protocol.TextOffsets(self.tt, self.after_prompt))
+        offsets = self.text_offsets.get(delta.index)
+        if offsets is None:
+            offsets = self.text_offsets[delta.index] = protocol.TextOffsets(self.tt, self.after_prompt, self.carried)
         return protocol.completion_logprobs(delta.logprobs, delta.token_ids, self.tt, offsets)
 
     def chunk(self, delta: Delta, first: bool) -> dict[str, Any]:

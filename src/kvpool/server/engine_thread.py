@@ -89,7 +89,8 @@ class _Tracked:
     queue: asyncio.Queue[Event]
     holdback: int  # characters held back while a stop string may be forming
     samples: dict[int, _SampleStream] = field(default_factory=dict)
-    context: list[int] | None = None  # the prompt tokens its samples' text is decoded after (TokenBytes.context)
+    # the prompt tokens its samples' text is decoded after, and how many are cut (TokenBytes.context)
+    context: tuple[list[int], int] | None = None
 
 
 class EngineThread:
@@ -292,8 +293,8 @@ class EngineThread:
             text_stream = TextStream(self.decode, self.token_bytes, tracked.holdback)
             if tracked.context is None:  # (once a request: its samples share the prompt)
                 context = getattr(self.token_bytes, "context", None)
-                tracked.context = [] if context is None else context(seq.token_ids, seq.request.num_prompt_tokens)
-            text_stream.start_after(tracked.context)
+                tracked.context = ([], 0) if context is None else context(seq.token_ids, seq.request.num_prompt_tokens)
+            text_stream.start_after(*tracked.context)
             stream = tracked.samples[seq.sample_index] = _SampleStream(text_stream)
         if stream.done:
             return None

@@ -522,14 +522,16 @@ class TextOffsets:
     ByteFallback decoder's rule), so a later byte may still change the run's text: the offsets
     given are those of the text so far, as a stream can know them."""
 
-    def __init__(self, tt: TokenText, after_prompt: bool = False) -> None:
+    def __init__(self, tt: TokenText, after_prompt: bool = False, carried: bytes = b"") -> None:
         self.tt = tt
         # the first space is stripped where the decoder strips it and the text was decoded
         # alone, not after the prompt's last tokens (models/tokenizer.py decode_context)
         self.strips = tt.strips_first_space and not after_prompt
         self.chars = 0  # characters of the text before `pending` (the first space not yet stripped)
         self.first = ""  # the text's first character, once there is one
-        self.pending = b""  # byte-level: an incomplete character's bytes; SentencePiece: the byte-fallback run
+        # byte-level: an incomplete character's bytes; SentencePiece: the byte-fallback run, from
+        # `carried` on (a character the prompt leaves open: the text's first, decode_context)
+        self.pending = carried
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def _run_text(self, run: bytes) -> str:

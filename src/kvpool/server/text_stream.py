@@ -45,9 +45,9 @@ class TokenBytes:
     def __call__(self, token_id: int) -> bytes:
         return self.of(token_id)
 
-    def context(self, token_ids: list[int], num_prompt: int) -> list[int]:
-        """The prompt tokens a sample's text is decoded after (models/tokenizer.py
-        decode_context: none for byte-level BPE)."""
+    def context(self, token_ids: list[int], num_prompt: int) -> tuple[list[int], int]:
+        """The prompt tokens a sample's text is decoded after, and how many of them have their
+        text cut off (models/tokenizer.py decode_context: none for byte-level BPE)."""
         return decode_context(token_ids, num_prompt, self.byte_tokens, self.skipped, self.letter)
 
 
@@ -79,12 +79,15 @@ class TextStream:
     # run (a byte, or a special one decode skips) needs no decode: it is decoded once, ended
     run_before: str | None = None
 
-    def start_after(self, context: list[int]) -> TextStream:
-        """Decode the output after these prompt tokens (TokenBytes.context), their text cut off."""
+    def start_after(self, context: list[int], num_cut: int | None = None) -> TextStream:
+        """Decode the output after these prompt tokens (TokenBytes.context), the text of the
+        first `num_cut` (None: all) cut off; the rest, a character the prompt leaves open, is
+        the output's (its bytes wait in the output's byte run)."""
         if context:
+            cut = len(context) if num_cut is None else num_cut
             self.visible = list(context)
-            self.num_stable_tokens = len(context)
-            self.context_start, self.context_text = 0, self.decode(self.visible)
+            self.num_stable_tokens = cut
+            self.context_start, self.context_text = 0, self.decode(self.visible[:cut])
         return self
 
     def advance(self, new_ids: list[int], reason: str | None, final_text: str = "") -> str:
@@ -129,8 +132,9 @@ class TextStream:
         none but an incomplete character's bytes)."""
         self.run_before = None
         window = self.decode(self.visible[self.context_start :])
-        if not window.startswith(self.context_text):  # (the context ends on no byte token: cannot happen)
-            return self.stable_text, 0
+        # the context's text is the window's start, or as many characters of it: an ASCII letter
+        # the context ends in (decode_context) is one U+FFFD where the output's bytes turn its run
+        # invalid (the stream showed nothing more until the sample's end)
         text = self.stable_text + window[len(self.context_text) :]
         # the trailing byte-fallback run: byte tokens, and the special tokens among them that
         # decode skips (their neighbours join: one run)
