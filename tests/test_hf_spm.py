@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
 
 from hf_tiny import SPM_CORPUS, save_spm_tokenizer, spm_tokenizer
 from kvpool.cli.main import main
@@ -584,11 +585,48 @@ def test_added_token_flags_of_the_tokenizer_config_are_transformers(tmp_path, ki
         )
 
 
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_an_added_token_tokenizer_json_lacks_is_added_as_transformers_adds_it(tmp_path, kind):
+    """tokenizer_config.json's added_tokens_decoder entry of a text tokenizer.json lacks was
+    left out ("<extra_a>" encoded as its characters' pieces); transformers 5.25 adds it at the
+    next id, whatever id the entry names, entry by entry in the order of their ids, and makes
+    an entry of a piece of the vocabulary an added token at the piece's id (a special one:
+    decode skips it). Vocabulary size, ids of every entry's text, ids and decode of texts
+    holding them: AutoTokenizer's."""
+    from hf_tiny import save_tokenizer
+
+    path = tmp_path / "t"
+    (save_tokenizer if kind == "byte-level" else save_spm_tokenizer)(path)
+    spec = Tokenizer.from_file(str(path / "tokenizer.json"))
+    size, added = spec.get_vocab_size(with_added_tokens=True), spec.get_added_tokens_decoder()
+    piece = next(spec.id_to_token(i) for i in range(size - 1, 0, -1) if i not in added and len(spec.id_to_token(i)) > 2)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {  # (not in the order of their ids)
+        str(size + 7): {"content": "<extra_b>", "special": False},
+        str(size): {"content": "<extra_a>", "special": True, "lstrip": True},
+        "0": {"content": "<other0>", "special": True},  # an added token's id, another text
+        str(size + 1): {"content": piece, "special": True},  # a piece of the vocabulary, at another id
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    ref, tok = _reference(path), load_hf_tokenizer(path)
+    assert tok.tokenizer.get_vocab_size(with_added_tokens=True) == len(ref) == size + 3
+    for text in ("<extra_a>", "<extra_b>", "<other0>", piece):
+        assert tok.tokenizer.token_to_id(text) == ref.convert_tokens_to_ids(text), text
+    assert ref.convert_tokens_to_ids("<other0>") == size and ref.convert_tokens_to_ids("<extra_b>") == size + 2
+    assert ref.convert_tokens_to_ids(piece) < size  # (the piece keeps its id)
+    for text in [*TEXTS, f"hi <extra_a> there <extra_b>! x<other0>y <extra_a><extra_b>{piece}", piece]:
+        ids = tok.encode(text)
+        assert ids == ref(text).input_ids, text
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    assert size in tok.encode("a <other0> b")  # (the premise: the new token is one id)
+
+
 @pytest.mark.parametrize(
     "decoder, match",
     [
         ([], r"added_tokens_decoder is \[\], not an object"),
         ({"1": "<s>"}, r"added_tokens_decoder\['1'\] is no object with a text 'content'"),
+        ({"x": {"content": "<s>"}}, r"added_tokens_decoder key 'x' is not a token id"),  # (transformers: int('x'))
         (
             {"1": {"content": "<s>", "lstrip": "yes"}},
             r"added_tokens_decoder\['1'\]\.lstrip is 'yes', not true or false",

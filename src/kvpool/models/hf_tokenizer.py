@@ -212,11 +212,14 @@ def _as_llama_tokenizer(path: Path, config: dict[str, Any], spec: dict[str, Any]
 _ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
 
 
-def _added_token_flags(path: Path, config: dict[str, Any], tokenizer: Tokenizer) -> None:
-    """tokenizer_config.json's added_tokens_decoder flags (single_word, lstrip, rstrip,
-    normalized, special) on tokenizer.json's added tokens of the same id and text, as
-    transformers takes them: an added token with lstrip there takes the spaces before it. An
-    entry of a token tokenizer.json lacks is left out (transformers would add it)."""
+def _added_tokens(path: Path, config: dict[str, Any], tokenizer: Tokenizer) -> None:
+    """tokenizer_config.json's added_tokens_decoder on tokenizer.json's tokens, as transformers
+    (AutoTokenizer) takes it, entry by entry in the order of their ids: an entry of an added
+    token's text sets its flags (single_word, lstrip, rstrip, normalized, special: an added token
+    with lstrip there takes the spaces before it); one of a piece of the vocabulary makes that
+    piece an added token with its flags (a special one: decode skips it); one of a text the
+    vocabulary lacks adds it at the next id, whatever id the entry names (transformers 5.25:
+    it was left out, and the text encoded as its characters' pieces)."""
     from tokenizers import AddedToken
 
     entries = config.get("added_tokens_decoder")
@@ -224,20 +227,25 @@ def _added_token_flags(path: Path, config: dict[str, Any], tokenizer: Tokenizer)
         return
     if not isinstance(entries, dict):
         raise ValueError(f"{path}: added_tokens_decoder is {json.dumps(entries)[:40]}, not an object of id: token")
-    added = tokenizer.get_added_tokens_decoder()
+    ordered = []
     for key, entry in entries.items():
+        if not key.isdigit():  # (transformers: "invalid literal for int()")
+            raise ValueError(f"{path}: added_tokens_decoder key {key!r} is not a token id")
         if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
             raise ValueError(f"{path}: added_tokens_decoder[{key!r}] is no object with a text 'content'")
         for flag in _ADDED_TOKEN_FLAGS:
             if flag in entry and not isinstance(entry[flag], bool):
                 raise ValueError(f"{path}: added_tokens_decoder[{key!r}].{flag} is {entry[flag]!r}, not true or false")
-        token = added.get(int(key)) if key.isdigit() else None
-        if token is None or token.content != entry["content"]:
-            continue
-        flags = {flag: entry.get(flag, getattr(token, flag)) for flag in _ADDED_TOKEN_FLAGS}
-        if all(flags[flag] == getattr(token, flag) for flag in _ADDED_TOKEN_FLAGS):
-            continue
-        tokenizer.add_tokens([AddedToken(token.content, **flags)])
+        ordered.append((int(key), entry))
+    for _, entry in sorted(ordered, key=lambda item: item[0]):
+        token = next((t for t in tokenizer.get_added_tokens_decoder().values() if t.content == entry["content"]), None)
+        if token is None:  # (the library's defaults for the flags it leaves out, as transformers)
+            flags = {flag: entry[flag] for flag in _ADDED_TOKEN_FLAGS if flag in entry}
+        else:
+            flags = {flag: entry.get(flag, getattr(token, flag)) for flag in _ADDED_TOKEN_FLAGS}
+            if all(flags[flag] == getattr(token, flag) for flag in _ADDED_TOKEN_FLAGS):
+                continue
+        tokenizer.add_tokens([AddedToken(entry["content"], **flags)])
 
 
 def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
@@ -260,7 +268,7 @@ def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
     spec = json.loads(raw)
     if _kind(path, spec) == "sentencepiece" and _llama_class(d, config):
         tokenizer = _as_llama_tokenizer(config_path, config, spec, tokenizer)
-    _added_token_flags(config_path, config, tokenizer)
+    _added_tokens(config_path, config, tokenizer)
     names = {key: _token_text(config_path, key, config.get(key)) for key in _SPECIAL_NAMES}
     ids: dict[str, int | None] = {}
     for key, text in names.items():
