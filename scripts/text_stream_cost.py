@@ -22,7 +22,7 @@ from kvpool.server.text_stream import TextStream
 
 def per_token_us(tok, ids: list[int], holdback: int = 0) -> tuple[float, str]:
     """The best of 5 rounds' thread CPU per token, and the text the last round showed."""
-    tb, best, shown = decoded_bytes(tok.tokenizer), [], ""
+    tb, best, shown = decoded_bytes(tok), [], ""
     for _ in range(5):
         stream = TextStream(tok.decode, tb, holdback=holdback)
         start = time.thread_time_ns()

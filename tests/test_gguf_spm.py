@@ -93,9 +93,9 @@ def test_a_llama_gguf_tokenizer_equals_the_tokenizer_json_it_was_written_from(tm
         assert tok.encode_chat(messages) == ids and ids[:2].count(1) == 1  # (one BOS first: the template's)
     # the stream reads it as SentencePiece-style: "▁the" keeps its space after earlier tokens
     ids = tok.encode("The quick brown fox")[1:]
-    stream = TextStream(tok.decode, decoded_bytes(tok.tokenizer))
+    stream = TextStream(tok.decode, decoded_bytes(tok))
     assert "".join(stream.advance([t], None) for t in ids) == "The quick brown fox"
-    assert decoded_bytes(tok.tokenizer).byte_tokens == {3 + b: b for b in range(256)}
+    assert decoded_bytes(tok).byte_tokens == {3 + b: b for b in range(256)}
 
 
 @pytest.mark.parametrize("add_bos, add_eos", [(False, None), (True, True), (False, True)])

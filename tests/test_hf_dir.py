@@ -221,7 +221,7 @@ def test_a_sentencepiece_tokenizer_json_streams_the_spaces_its_tokens_alone_lose
     _sentencepiece_tokenizer(tmp_path / "sp")
     tok = load_hf_tokenizer(tmp_path / "sp")
     ids = [tok.tokenizer.token_to_id(p) for p in ("\u2581Hello", "\u2581world")]
-    stream = TextStream(tok.decode, decoded_bytes(tok.tokenizer))
+    stream = TextStream(tok.decode, decoded_bytes(tok))
     assert [stream.advance([t], None) for t in ids] == ["Hello", " world"]
 
 

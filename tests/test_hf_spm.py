@@ -114,7 +114,7 @@ def test_token_bytes_are_each_tokens_utf8_bytes(spm_dir):
     a special token's none (decode skips it) or its spelling (logprobs); checked against the
     decoder: a token's text after a context token is the difference of the two decodes."""
     tok = load_hf_tokenizer(spm_dir)
-    tb, tt = decoded_bytes(tok.tokenizer), token_text(tok.tokenizer)
+    tb, tt = decoded_bytes(tok), token_text(tok)
     size = tok.tokenizer.get_vocab_size()
     assert tb.byte_tokens == {3 + b: b for b in range(256)} and tt.byte_tokens == tb.byte_tokens.keys()
     a = tok.tokenizer.token_to_id("a")
@@ -140,7 +140,7 @@ def test_token_bytes_are_each_tokens_utf8_bytes(spm_dir):
 
 def test_no_token_spans_more_bytes_than_the_bound_the_server_refuses_by(spm_dir):
     tok = load_hf_tokenizer(spm_dir)
-    tt = token_text(tok.tokenizer)
+    tt = token_text(tok)
     bound = TokenBound(tt, tok.tokenizer.get_vocab_size())
     assert bound.untokenized == b""  # (byte fallback: every byte has a token)
     pieces = st.sampled_from(["word ", " ", "    ", "\u2581\u2581\u2581", "1234", "日本語", "é", "</s>", "🙂", "\n"])
@@ -188,7 +188,7 @@ def test_every_streaming_joins_to_the_decode_and_never_shows_what_a_later_token_
     last token that decode does not skip is no byte token (nothing waits then); an aborted
     stream shows all of it unless it ends inside a character."""
     tok = load_hf_tokenizer(spm_dir)
-    tb = decoded_bytes(tok.tokenizer)
+    tb = decoded_bytes(tok)
     size = tok.tokenizer.get_vocab_size()
     byte_ids = [3 + b for b in [0x41, 0x20, 0xC3, 0xA9, 0xE4, 0xBD, 0xA0, 0xF0, 0x9F, 0x99, 0x82, 0xFF, 0x80]]
 
@@ -241,7 +241,7 @@ def test_a_character_in_byte_fallback_tokens_shows_whole_and_once(spm_dir):
     token after it ends the run (a byte that follows could still turn the run into U+FFFDs);
     "▁world" after it keeps its space."""
     tok = load_hf_tokenizer(spm_dir)
-    tb = decoded_bytes(tok.tokenizer)
+    tb = decoded_bytes(tok)
     hello, world = (tok.tokenizer.token_to_id(p) for p in ("\u2581The", "\u2581the"))
     stream = TextStream(tok.decode, tb)
     steps = [[hello], [3 + 0xE4], [3 + 0xBD], [3 + 0xA0], [world]]
@@ -265,7 +265,7 @@ def test_a_long_byte_fallback_run_streams_at_a_bounded_cost_a_token(spm_dir):
     with the run decodes nothing, the run is decoded once when a piece ends it, and the text
     shown is the same: nothing of the run before it ends, then all of it."""
     tok = load_hf_tokenizer(spm_dir)
-    tb = decoded_bytes(tok.tokenizer)
+    tb = decoded_bytes(tok)
     decoded: list[int] = []
     stream = TextStream(lambda ids: decoded.append(len(ids)) or tok.decode(ids), tb, holdback=2)
     hello, the = (tok.tokenizer.token_to_id(p) for p in ("\u2581Hello", "\u2581the"))
@@ -281,7 +281,7 @@ def test_a_context_that_decodes_to_nothing_does_not_take_the_next_space(spm_dir)
     """The context moves up to the newest token only where that token is text: a special
     token (decode skips it) as the context would let the decoder strip the next token's space."""
     tok = load_hf_tokenizer(spm_dir)
-    tb = decoded_bytes(tok.tokenizer)
+    tb = decoded_bytes(tok)
     the, fox = (tok.tokenizer.token_to_id(p) for p in ("\u2581The", "\u2581fox"))
     for ids in ([the] * 8 + [0, fox, 0, 0, fox], [the] * 7 + [0, 0, fox] + [0] * 9 + [fox]):
         stream = TextStream(tok.decode, tb)
@@ -291,7 +291,7 @@ def test_a_context_that_decodes_to_nothing_does_not_take_the_next_space(spm_dir)
 
 def test_a_stop_string_holdback_waits_on_the_same_text(spm_dir):
     tok = load_hf_tokenizer(spm_dir)
-    tb = decoded_bytes(tok.tokenizer)
+    tb = decoded_bytes(tok)
     ids = tok.tokenizer.encode("Hello world, hello again!", add_special_tokens=False).ids
     stream = TextStream(tok.decode, tb, holdback=3)
     shown = [stream.advance([t], None) for t in ids]
@@ -306,8 +306,8 @@ def test_the_byte_level_stream_is_unchanged(tmp_path):
 
     save_tokenizer(tmp_path / "bl")
     tok = load_hf_tokenizer(tmp_path / "bl")
-    tb = decoded_bytes(tok.tokenizer)
-    assert tb.byte_tokens is None and token_text(tok.tokenizer).byte_tokens is None
+    tb = decoded_bytes(tok)
+    assert tb.byte_tokens is None and token_text(tok).byte_tokens is None
     calls = []
     stream = TextStream(lambda ids: calls.append(list(ids)) or tok.decode(ids), tb)
     ids = tok.tokenizer.encode("Hello world again", add_special_tokens=False).ids
@@ -430,7 +430,7 @@ def test_serve_streams_deltas_that_join_to_the_text_and_transformers_decode(tmp_
         assert gap > 1e-3, gap
         assert text == ref.decode(ids, skip_special_tokens=True)
         # logprobs' bytes: each token's own UTF-8 bytes (a byte-fallback token's byte, " " for "▁")
-        tt = token_text(load_hf_tokenizer(path).tokenizer)
+        tt = token_text(load_hf_tokenizer(path))
         assert [bytes(e.bytes) for e in whole.choices[0].logprobs.content] == [bytes(tt.bytes(t)) for t in ids]
         completion = client.completions.create(prompt="Hello world", **options)
         ids = ref("Hello world").input_ids
@@ -457,7 +457,7 @@ def test_a_legacy_flag_that_is_no_boolean_is_refused_naming_the_file(tmp_path):
         load_hf_tokenizer(tmp_path / "t")
 
 
-def _check_text_offsets(tokenizer, ids: list[int]) -> int:
+def _check_text_offsets(tokenizer, ids: list[int]) -> int:  # (a ChatTokenizer)
     """TextOffsets on `ids` against the tokenizer's own decode: the offsets never fall and stay
     in the text; where the decode of the tokens before one is a prefix of the text (it ends on
     a whole character), the offset is its length; a piece that is whole UTF-8 text (no special
@@ -496,7 +496,7 @@ def test_completion_text_offsets_index_the_text(spm_dir):
     the text (offsets added len(token text)). Random id sequences (pieces, byte-fallback runs of
     whole and half characters and invalid bytes, special tokens) against the decoder."""
     tok = load_hf_tokenizer(spm_dir)
-    tt = token_text(tok.tokenizer)
+    tt = token_text(tok)
     assert tt.strips_first_space and tt.skipped == frozenset({0, 1, 2})
     hello = tok.tokenizer.encode("Hello world", add_special_tokens=False).ids
     assert tt.text(hello[0]).startswith(" ") and tok.decode(hello) == "Hello world"
@@ -509,15 +509,15 @@ def test_completion_text_offsets_index_the_text(spm_dir):
     @settings(max_examples=300, deadline=None)
     @given(_id_lists(size, byte_ids, [0, 1, 2]))
     def check(ids: list[int]) -> None:
-        checked.append(_check_text_offsets(tok.tokenizer, ids))
+        checked.append(_check_text_offsets(tok, ids))
 
     check()
     assert sum(checked) > 1000, sum(checked)
     # a tokenizer without the Strip decoder (add_prefix_space false): the first space stays
     save_spm_tokenizer(spm_dir.parent / "nostrip", add_prefix_space=False)
     plain = load_hf_tokenizer(spm_dir.parent / "nostrip")
-    assert not token_text(plain.tokenizer).strips_first_space
-    _check_text_offsets(plain.tokenizer, hello)
+    assert not token_text(plain).strips_first_space
+    _check_text_offsets(plain, hello)
 
 
 def test_byte_level_completion_text_offsets_index_the_text():
@@ -525,22 +525,23 @@ def test_byte_level_completion_text_offsets_index_the_text():
     before each token, a character split over tokens starting where the character does."""
     from kvpool.engine.build import load_model
 
-    tokenizer = load_model(None).tokenizer.tokenizer
-    tt = token_text(tokenizer)
+    chat = load_model(None).tokenizer
+    tokenizer = chat.tokenizer
+    tt = token_text(chat)
     assert tt.byte_tokens is None and not tt.strips_first_space
     ids = tokenizer.encode(" Hello world, 你好 🙂🚀 Café", add_special_tokens=False).ids
     text = tokenizer.decode(ids)
     offsets = TextOffsets(tt)
     got = [offsets.add(t) for t in ids]
     assert got[:3] == [0, len(" Hello"), len(" Hello world")] and text.startswith(" Hello")
-    assert _check_text_offsets(tokenizer, ids) >= len(ids) - 4  # (the tokens inside a split character)
+    assert _check_text_offsets(chat, ids) >= len(ids) - 4  # (the tokens inside a split character)
     size = tokenizer.get_vocab_size()
     specials = sorted(tt.skipped)
 
     @settings(max_examples=100, deadline=None)
     @given(_id_lists(size, list(range(size)), specials))
     def check(ids: list[int]) -> None:
-        _check_text_offsets(tokenizer, ids)
+        _check_text_offsets(chat, ids)
 
     check()
 
@@ -771,7 +772,7 @@ def test_a_completion_keeps_the_space_its_first_token_carries(spm_dir):
     from kvpool.server.protocol import TextOffsets, completion_logprobs
 
     tok = load_hf_tokenizer(spm_dir)
-    tb = decoded_bytes(tok.tokenizer)
+    tb = decoded_bytes(tok)
     prompt = tok.encode("The quick brown fox jumps over the")
     out = tok.tokenizer.encode(" lazy dog", add_special_tokens=False).ids
     assert _in_context(tok, prompt, out) == " lazy dog" and tok.decode(out) == "lazy dog"
@@ -780,7 +781,7 @@ def test_a_completion_keeps_the_space_its_first_token_carries(spm_dir):
     assert _run_stop(tok, out, ("y d",), prompt) == (2, " laz", "stop")
     stream = TextStream(tok.decode, tb).start_after(*tb.context(prompt, len(prompt)))
     assert [stream.advance([t], None) for t in out] == [" lazy", " d", "o", "g"]
-    tt = token_text(tok.tokenizer)
+    tt = token_text(tok)
     after = bool(tb.context(prompt, len(prompt))[0])
     lp = completion_logprobs([(0.0, [])] * len(out), out, tt, TextOffsets(tt, after))
     assert "".join(lp["tokens"]) == " lazy dog"
@@ -805,7 +806,7 @@ def test_a_completion_keeps_the_space_its_first_token_carries(spm_dir):
     assert all(" lazy dog"[o : o + len(t)] == t for o, t in zip(lp["text_offset"], lp["tokens"], strict=True))
     save_tokenizer(spm_dir.parent / "bl")
     bl = load_hf_tokenizer(spm_dir.parent / "bl")
-    assert decoded_bytes(bl.tokenizer).context(bl.encode("over the"), 2) == ([], 0)
+    assert decoded_bytes(bl).context(bl.encode("over the"), 2) == ([], 0)
 
 
 def _decode_stream(ref, prompt: list[int], ids: list[int]) -> str:
@@ -833,7 +834,7 @@ def test_a_character_the_prompt_leaves_open_is_the_completions(spm_dir):
     from kvpool.server.protocol import TextOffsets, completion_logprobs
 
     tok, ref = load_hf_tokenizer(spm_dir), _reference(spm_dir)
-    tb, tt = decoded_bytes(tok.tokenizer), token_text(tok.tokenizer)
+    tb, tt = decoded_bytes(tok), token_text(tok)
     prompt = tok.encode("The quick brown fox jumps over the")
     out = tok.tokenizer.encode(" lazy dog", add_special_tokens=False).ids
     b = [3 + x for x in range(256)]  # (byte n's token)

@@ -846,7 +846,7 @@ def test_the_tokens_bytes_the_stream_reads_join_to_what_decode_gives(loaded):
     from kvpool.server.protocol import decoded_bytes
 
     tok = loaded.tokenizer
-    token_bytes = decoded_bytes(tok.tokenizer)
+    token_bytes = decoded_bytes(tok)
     vocab_size = tok.tokenizer.get_vocab_size()
     specials = [t for t in range(vocab_size) if token_bytes(t) == b""]
     assert 0 < len(specials) < 50 and tok.eos_token_id in specials

@@ -235,7 +235,7 @@ def _generate(args, engine, loaded, prompt_ids, params, num_blocks, runtime_byte
     # the server's streaming rule: an incomplete UTF-8 sequence waits for its next byte, and
     # the end shows the final text whole (a character the length limit cut as U+FFFD, as --json's
     # "text" holds it: the stream held it back for good)
-    token_bytes = decoded_bytes(tok.tokenizer)
+    token_bytes = decoded_bytes(tok)
     stream = TextStream(tok.decode, token_bytes).start_after(*token_bytes.context(prompt_ids, len(prompt_ids)))
     num_seen = 0
     try:

@@ -254,7 +254,7 @@ def _serve(
     limit_model_len(engine, args.max_model_len)  # (a context below 2 tokens refused: every request a 400)
     num_blocks = engine.runner.usage().num_blocks
     metrics = ServerMetrics(name)
-    token_bytes = decoded_bytes(loaded.tokenizer.tokenizer)
+    token_bytes = decoded_bytes(loaded.tokenizer)
     thread = EngineThread(engine, loaded.tokenizer.decode, token_bytes=token_bytes, on_step=metrics.update)
     metrics.update(engine, [], 0)
     state = ServerState(

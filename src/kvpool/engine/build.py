@@ -283,8 +283,6 @@ def _tiers(
 
 def _llama_engine(loaded: LoadedModel, *, block_size: int = 16, kv_format: str | None = None, **options) -> Engine:
     """A loaded GGUF: its descriptor, and its tokenizer's end-of-turn tokens and text."""
-    from kvpool.models.tokenizer import byte_fallback_ids  # (the tokenizers library: loaded where used)
-
     tok = loaded.tokenizer
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     eos.update(tok.stop_token_ids)  # an HF directory's generation_config.json
@@ -300,7 +298,7 @@ def _llama_engine(loaded: LoadedModel, *, block_size: int = 16, kv_format: str |
         decode_text=tok.decode,
         # the special tokens, which tok.decode skips (skip_special_tokens): no text of a stop string
         textless_ids=[i for i, added in tok.tokenizer.get_added_tokens_decoder().items() if added.special],
-        byte_fallback=byte_fallback_ids(tok.tokenizer),  # (SentencePiece-style: stop strings follow byte runs)
+        byte_fallback=tok.byte_fallback,  # (SentencePiece-style: stop strings follow byte runs)
         **options,
     )
 

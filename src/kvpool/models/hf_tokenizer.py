@@ -24,7 +24,7 @@ from typing import Any
 import xxhash
 from tokenizers import Tokenizer
 
-from kvpool.models.tokenizer import ChatTokenizer, chat_template_vars
+from kvpool.models.tokenizer import ChatTokenizer, byte_fallback_ids, chat_template_vars
 
 TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 CHAT_TEMPLATE_FILE, GENERATION_CONFIG = "chat_template.jinja", "generation_config.json"
@@ -182,12 +182,14 @@ def _flag(path: Path, config: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def _as_llama_tokenizer(path: Path, config: dict[str, Any], spec: dict[str, Any], tokenizer: Tokenizer) -> Tokenizer:
+def _as_llama_tokenizer(
+    path: Path, config: dict[str, Any], spec: dict[str, Any], tokenizer: Tokenizer
+) -> tuple[Tokenizer, bool]:
     """tokenizer.json's vocabulary, merges, added tokens and post-processor with the pipeline
     transformers' LlamaTokenizer builds: no normalizer, a Metaspace pre-tokenizer that turns
     spaces into "▁" and prepends one to the text's start ("first": legacy false, its default)
     or to every piece between special tokens ("always": legacy true), none without
-    add_prefix_space (default true); the decoder strips the first space only with it."""
+    add_prefix_space (default true); the decoder strips the first space only with it (the bool)."""
     from tokenizers import decoders, models, pre_tokenizers
 
     legacy = _flag(path, config, "legacy", False)
@@ -206,7 +208,7 @@ def _as_llama_tokenizer(path: Path, config: dict[str, Any], spec: dict[str, Any]
     added = tokenizer.get_added_tokens_decoder()
     rebuilt.add_tokens([added[i] for i in sorted(added)])  # (AddedTokens keep their special flag)
     rebuilt.post_processor = tokenizer.post_processor
-    return rebuilt
+    return rebuilt, prefix
 
 
 _ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
@@ -266,8 +268,11 @@ def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
     config_path = d / TOKENIZER_CONFIG
     config = _json_object(config_path)
     spec = json.loads(raw)
-    if _kind(path, spec) == "sentencepiece" and _llama_class(d, config):
-        tokenizer = _as_llama_tokenizer(config_path, config, spec, tokenizer)
+    spm = _kind(path, spec) == "sentencepiece"
+    # (the decoder's Strip of the text's first space: tokenizer.json's, or LlamaTokenizer's add_prefix_space)
+    strips = spm and len(_members(spec.get("decoder"), "decoders")) == 4
+    if spm and _llama_class(d, config):
+        tokenizer, strips = _as_llama_tokenizer(config_path, config, spec, tokenizer)
     _added_tokens(config_path, config, tokenizer)
     names = {key: _token_text(config_path, key, config.get(key)) for key in _SPECIAL_NAMES}
     ids: dict[str, int | None] = {}
@@ -295,4 +300,6 @@ def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
         post_process=True,
         # (transformers 5 ignores the flag for a BPE model: the clean-up would drop spaces BPE kept)
         clean_up_spaces=config.get("clean_up_tokenization_spaces") is True and type(tokenizer.model).__name__ != "BPE",
+        byte_fallback=byte_fallback_ids(tokenizer) if spm else None,
+        strips_first_space=strips,
     )

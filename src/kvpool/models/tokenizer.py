@@ -125,6 +125,10 @@ class ChatTokenizer:
     post_process: bool = False  # encode runs tokenizer.json's post-processor (transformers' add_special_tokens)
     add_eos_token: bool = False  # a GGUF's: encode puts the EOS after raw text (tokenizer.ggml.add_eos_token)
     clean_up_spaces: bool = False  # decode drops the space before punctuation (clean_up_tokenization_spaces)
+    # the decoder's kind, decided where it is built: None for byte-level BPE, else a SentencePiece-style
+    # decoder's byte-fallback tokens, id -> byte (byte_fallback_ids); whether it strips the text's first space
+    byte_fallback: dict[int, int] | None = None
+    strips_first_space: bool = False
 
     def _ids(self, text: str, specials: bool) -> list[int]:
         return self.tokenizer.encode_batch([text], add_special_tokens=specials)[0].ids
@@ -331,6 +335,8 @@ def _build_spm(data: TokenizerData) -> ChatTokenizer:
         version=version + f":{int(data.add_bos_token)}{int(data.add_eos_token)}{int(data.add_space_prefix)}",
         template_vars=chat_template_vars({"bos_token": bos, "eos_token": eos}),
         add_eos_token=data.add_eos_token,
+        byte_fallback=byte_fallback_ids(tok),
+        strips_first_space=data.add_space_prefix,
     )
 
 

@@ -105,7 +105,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     """The app over a started EngineThread; `lifespan` (FastAPI's) runs at start and stop."""
     app = FastAPI(title="kvpool", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.kvpool = state
-    token_text = protocol_token_text(state.tokenizer.tokenizer)
+    token_text = protocol_token_text(state.tokenizer)
     token_bound = TokenBound(token_text, state.tokenizer.tokenizer.get_vocab_size())
 
     @app.exception_handler(APIError)

@@ -23,7 +23,7 @@ import codecs
 import json
 import time
 from functools import cache
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, ValidationError, model_validator
 
@@ -31,6 +31,9 @@ from kvpool.engine.engine import RequestOutput
 from kvpool.engine.sampling import MAX_STOP_CHARS, SEED_MAX, SEED_MIN
 from kvpool.models.tokenizer import ascii_letter_byte, incomplete_tail
 from kvpool.server.text_stream import TokenBytes, fallback_text
+
+if TYPE_CHECKING:
+    from kvpool.models.tokenizer import ChatTokenizer
 
 MAX_N = 16  # samples per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -459,35 +462,28 @@ class TokenText:
         return num
 
 
-def token_text(tokenizer: Any) -> TokenText:
-    """The TokenText of a `tokenizers.Tokenizer`: byte-level BPE where its decoder is
-    ByteLevel, else SentencePiece-style (the only other kind models/hf_tokenizer.py loads)."""
-    added = tokenizer.get_added_tokens_decoder()
-    skipped = frozenset(token_id for token_id, token in added.items() if token.special)
-    if type(tokenizer.decoder).__name__ == "ByteLevel":
+def token_text(tok: ChatTokenizer) -> TokenText:
+    """The TokenText of a loaded tokenizer: byte-level BPE or SentencePiece-style, and whether
+    its decoder strips the text's first space, as its loader decided them (ChatTokenizer's
+    byte_fallback, strips_first_space: models/tokenizer.py, models/hf_tokenizer.py)."""
+    tokenizer = tok.tokenizer
+    skipped = frozenset(i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special)
+    if tok.byte_fallback is None:
         return TokenText(tokenizer.id_to_token, skipped=skipped)
-    from kvpool.models.tokenizer import byte_fallback_ids  # (the tokenizers library: loaded where used)
-
-    byte_tokens = frozenset(byte_fallback_ids(tokenizer) or ())
-    # the decoder strips the text's first space or not (Strip, or none): ask it, on a piece "▁..."
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    probe = next((i for piece, i in vocab if piece.startswith("\u2581") and i not in added), None)
-    strips = probe is not None and not tokenizer.decode([probe]).startswith(" ")
-    return TokenText(tokenizer.id_to_token, byte_tokens, skipped, strips)
+    return TokenText(tokenizer.id_to_token, frozenset(tok.byte_fallback), skipped, tok.strips_first_space)
 
 
-def decoded_bytes(tokenizer: Any) -> TokenBytes:
+def decoded_bytes(tok: ChatTokenizer) -> TokenBytes:
     """A token id's bytes as the text's decode (`skip_special_tokens`) joins them: a special
-    token's are none. `tokenizer` is the `tokenizers.Tokenizer` (byte-level BPE or
-    SentencePiece-style: the TokenBytes says which, and so how TextStream decodes)."""
-    tt = token_text(tokenizer)
+    token's are none; and the decoder's kind (byte-level BPE or SentencePiece-style: the
+    TokenBytes says which, and so how TextStream decodes)."""
+    tt = token_text(tok)
     skipped = tt.skipped
 
     def token_bytes(token_id: int) -> bytes:
         return b"" if token_id in skipped else bytes(tt.bytes(token_id))
 
-    byte_fallback = None if tt.byte_tokens is None else {i: tt.bytes(i)[0] for i in tt.byte_tokens}
-    return TokenBytes(token_bytes, byte_fallback, skipped, ascii_letter_byte(byte_fallback))
+    return TokenBytes(token_bytes, tok.byte_fallback, skipped, ascii_letter_byte(tok.byte_fallback))
 
 
 class TokenBound:
