@@ -158,6 +158,11 @@ def test_a_directory_without_tokenizer_json_is_refused_text_in_one_line_naming_w
         assert line.startswith(f"kvpool {' '.join(argv[:2]) if argv[0] in ('eval', 'bench') else argv[0]}: error: ")
         assert want in line and line.endswith(runs) and (unread in line) == spm, line
         assert argv[0] != "serve" or len(err.splitlines()) == 1, err
+    # one message, from one place: the tokenizer's loader said "no such file (kvpool reads an HF
+    # model's text through its tokenizer.json)", engine/build.py the line above, before it
+    with pytest.raises(ValueError) as refused:
+        load_hf_tokenizer(path)
+    assert want in str(refused.value) and str(refused.value).endswith(runs) and (unread in str(refused.value)) == spm
     with pytest.raises(ValueError) as e:
         kvpool.LLM(str(path))
     assert want in str(e.value) and str(e.value).endswith(runs) and (unread in str(e.value)) == spm

@@ -158,8 +158,7 @@ def run(args: argparse.Namespace) -> int:
     max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
     kv_bytes = parse_bytes(args.kv_memory)
     check_engine_flags(args)  # (llama_engine reads --preemption, --kv-cache-dtype and the tier flags)
-    from kvpool.engine.build import missing_tokenizer
-    from kvpool.models.hf_tokenizer import has_hf_tokenizer, is_hf_directory
+    from kvpool.models.hf_tokenizer import has_hf_tokenizer, is_hf_directory, missing_tokenizer
 
     gguf = gguf_path(args.model)
     if gguf is not None and not os.path.isfile(gguf) and not is_hf_directory(gguf):

@@ -31,7 +31,7 @@ from kvpool.models import weight_cache
 from kvpool.models.gguf import GGUFModel, check_gguf_file, default_gguf_path, file_digest, load_gguf
 from kvpool.models.gguf_header import check_header, read_header
 from kvpool.models.hf_config import hf_tensors, hf_weight_files, llama_config, model_bytes
-from kvpool.models.hf_tokenizer import TOKENIZER_JSON, has_hf_tokenizer, is_hf_directory, load_hf_tokenizer
+from kvpool.models.hf_tokenizer import is_hf_directory, load_hf_tokenizer
 from kvpool.models.llama import LlamaModel
 from kvpool.models.rope import rope_id
 from kvpool.models.tiny_dsv4 import TinyDSV4
@@ -136,31 +136,11 @@ def hf_weights_version(directory: str) -> str:
     return "safetensors:" + "-".join(file_digest(f) for f in hf_weight_files(directory))
 
 
-def missing_tokenizer(directory: str) -> str:
-    """The one line that refuses text to an HF directory without a tokenizer.json: the file,
-    a tokenizer.model beside it that is not read (SentencePiece's own format), and what runs
-    without it (`kvpool run`'s token-id workload). Every text entry point (generate, serve,
-    eval, bench engine / start, kvpool.LLM) loads through `load_model`, which gives it."""
-    spm = os.path.join(directory, "tokenizer.model")
-    unread = (
-        " (its tokenizer.model, SentencePiece's own file, is not read: transformers' save_pretrained of "
-        "its fast tokenizer writes a tokenizer.json)"
-        if os.path.isfile(spm)
-        else ""
-    )
-    return (
-        f"{os.path.join(directory, TOKENIZER_JSON)}: no such file; kvpool reads an HF model's text through "
-        f"its tokenizer.json{unread}; without one, `kvpool run --model {directory}` runs the model on token ids"
-    )
-
-
 def _load_hf_directory(path: str, dtype: torch.dtype, device: str, start: float) -> LoadedModel:
     """An HF model directory (config.json, safetensors, tokenizer.json): its tokenizer read
     first (a directory without one refused before the weights are hashed or read), then
     its config, digest and weights (models/hf_config.py; no weight cache)."""
     path = os.path.normpath(path)
-    if not has_hf_tokenizer(path):
-        raise ValueError(missing_tokenizer(path))
     before = rss_bytes()
     tokenizer = load_hf_tokenizer(path)
     tokenizer_bytes = max(0, rss_bytes() - before)

@@ -41,6 +41,25 @@ def has_hf_tokenizer(directory: str | Path) -> bool:
     return (Path(directory) / TOKENIZER_JSON).is_file()
 
 
+def missing_tokenizer(directory: str | Path) -> str:
+    """The one line that refuses text to an HF directory without a tokenizer.json: the file,
+    a tokenizer.model beside it that is not read (SentencePiece's own format), and what runs
+    without it (`kvpool run`'s token-id workload). load_hf_tokenizer gives it to every text
+    entry point (generate, serve, eval, bench engine / start, kvpool.LLM load through it);
+    serve asks before it binds its port."""
+    d = Path(directory)
+    unread = (
+        " (its tokenizer.model, SentencePiece's own file, is not read: transformers' save_pretrained of "
+        "its fast tokenizer writes a tokenizer.json)"
+        if (d / "tokenizer.model").is_file()
+        else ""
+    )
+    return (
+        f"{d / TOKENIZER_JSON}: no such file; kvpool reads an HF model's text through its tokenizer.json{unread}; "
+        f"without one, `kvpool run --model {d}` runs the model on token ids"
+    )
+
+
 def _json_object(path: Path) -> dict[str, Any]:
     """A JSON object file; {} when it is absent; ValueError naming the file otherwise."""
     if not path.is_file():
@@ -258,7 +277,7 @@ def load_hf_tokenizer(directory: str | Path) -> ChatTokenizer:
     d = Path(directory)
     path = d / TOKENIZER_JSON
     if not path.is_file():
-        raise ValueError(f"{path}: no such file (kvpool reads an HF model's text through its tokenizer.json)")
+        raise ValueError(missing_tokenizer(d))
     try:
         raw = path.read_bytes()
         tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
