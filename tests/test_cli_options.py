@@ -278,6 +278,25 @@ def test_an_api_key_file_that_is_not_utf8_is_named_as_the_other_text_files_are(t
     assert str(e.value) == f"--api-key-file {str(tmp_path)!r}: Is a directory"
 
 
+def test_an_api_key_file_drops_a_byte_order_mark(tmp_path: Path) -> None:
+    """A UTF-8 byte-order mark (Windows editors write one) is no part of the first key: it
+    served '\ufeffkey-1' (the client's key-1 refused), and a file of the mark alone the key
+    '\ufeff'; a bad byte after the mark is counted from the file's start."""
+    from kvpool.cli.serve import api_keys_from
+
+    path = tmp_path / "keys"
+    args = argparse.Namespace(api_key=None, api_key_file=str(path))
+    path.write_bytes(b"\xef\xbb\xbfkey-1\nkey-2:team\n")
+    assert api_keys_from(args) == {"key-1": None, "key-2": "team"}
+    path.write_bytes(b"\xef\xbb\xbf\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        api_keys_from(args)
+    path.write_bytes(b"\xef\xbb\xbfkey-1\n\xff")
+    with pytest.raises(ValueError) as e:
+        api_keys_from(args)
+    assert str(e.value) == f"--api-key-file {str(path)!r} is not UTF-8 text (invalid start byte at byte 9)"
+
+
 def test_gpu_memory_utilization_plans_in_that_share(capsys: pytest.CaptureFixture[str]) -> None:
     """Half of an H200 plans exactly as a GPU of half its memory (--memory-gib), an
     independent route to the same capacity."""

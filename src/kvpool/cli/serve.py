@@ -186,11 +186,15 @@ def api_keys_from(args: argparse.Namespace) -> dict[str, str | None]:
     entries += [("--api-key", text) for text in given]
     if args.api_key_file is not None:
         try:
-            with open(args.api_key_file, encoding="utf-8") as f:
-                lines = f.read().splitlines()
+            with open(args.api_key_file, "rb") as f:
+                raw = f.read()
+            # (utf-8-sig: the byte-order mark Windows editors write is no part of the first key; it
+            # served '\ufeffKEY', and a file of the mark alone the key '\ufeff')
+            lines = raw.decode("utf-8-sig").splitlines()
         except UnicodeDecodeError as e:  # (it read "'utf-8' codec can't decode byte 0xff in position 0: ...")
+            start = e.start + 3 * raw.startswith(b"\xef\xbb\xbf")  # (utf-8-sig counts past its mark)
             raise ValueError(
-                f"--api-key-file {args.api_key_file!r} is not UTF-8 text ({e.reason} at byte {e.start})"
+                f"--api-key-file {args.api_key_file!r} is not UTF-8 text ({e.reason} at byte {start})"
             ) from None
         except OSError as error:
             raise ValueError(f"--api-key-file {args.api_key_file!r}: {error.strerror or error}") from None
