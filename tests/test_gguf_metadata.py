@@ -122,6 +122,8 @@ def test_a_well_formed_tiny_gguf_loads_with_its_metadata(tmp_path):
             "tensor 'token_embd.weight' has dims [16, 8], but the metadata's architecture needs [16, 32]",
         ),
         ({"vocab": 8, "embed_rows": 8}, "the tokenizer has 32 tokens, more than the model's vocabulary of 8"),
+        # (it loaded, and the first chat was jinja2's TypeError traceback: "Can't compile non template nodes")
+        ({"raw_kv": {"tokenizer.chat_template": 5}}, "tokenizer.chat_template must be a string (jinja), got 5"),
     ],
 )
 def test_metadata_the_model_cannot_compute_with_is_named(tmp_path, over, message):

@@ -481,6 +481,9 @@ def read_tokenizer(reader: Any) -> TokenizerData:
         left, _, right = merge.partition(" ") if isinstance(merge, str) else ("", "", "")
         if not (left and right):
             raise ValueError(f"GGUF metadata tokenizer.ggml.merges[{i}] {merge!r} is not two tokens joined by a space")
+    template = _field(reader, "tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):  # (jinja2's TypeError traceback at the first chat)
+        raise ValueError(f"GGUF metadata tokenizer.chat_template must be a string (jinja), got {template!r:.60}")
     if scores and len(scores) != len(tokens):
         raise ValueError(f"GGUF metadata tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
     return TokenizerData(
@@ -492,7 +495,7 @@ def read_tokenizer(reader: Any) -> TokenizerData:
         bos_token_id=bos,
         eos_token_id=eos,
         add_bos_token=bool(flags["add_bos_token"]),
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        chat_template=template,
         scores=scores,
         add_eos_token=bool(flags["add_eos_token"]),
         add_space_prefix=bool(flags["add_space_prefix"]),
