@@ -123,6 +123,8 @@ def test_a_well_formed_tiny_gguf_loads_with_its_metadata(tmp_path):
         ),
         ({"vocab": 8, "embed_rows": 8}, "the tokenizer has 32 tokens, more than the model's vocabulary of 8"),
         # (it loaded, and the first chat was jinja2's TypeError traceback: "Can't compile non template nodes")
+        # (it read "value_length '4' is not the head dim 4")
+        ({"raw_kv": {"llama.attention.value_length": "4"}}, "value_length must be a positive integer, got '4'"),
         ({"raw_kv": {"tokenizer.chat_template": 5}}, "tokenizer.chat_template must be a string (jinja), got 5"),
     ],
 )

@@ -285,7 +285,7 @@ def read_config(reader: Any, rope_freqs: RopeFreqs | None) -> LlamaConfig:
     head_dim = _positive_int(reader, f"{arch}.attention.key_length", hidden // num_heads)
     if head_dim % 2:
         raise ValueError(f"GGUF metadata head dim {head_dim} must be even (rotate-half RoPE)")
-    value_dim = _field(reader, f"{arch}.attention.value_length", head_dim)
+    value_dim = _positive_int(reader, f"{arch}.attention.value_length", head_dim)
     if value_dim != head_dim:  # (V heads of another size: every shape check named a weight instead)
         raise ValueError(
             f"GGUF metadata {arch}.attention.value_length {value_dim!r} is not the head dim {head_dim}; kvpool's "
