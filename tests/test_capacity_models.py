@@ -502,6 +502,50 @@ def test_v4_latent_compressor_and_indexer_projections_are_whole_on_every_tp_rank
     assert one.per_gpu_bytes - eight.per_gpu_bytes == pytest.approx(2 * (sharded + rest) * 7 / 8, rel=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("preset", "family", "kv_heads"),
+    [
+        ("qwen3-32b", "qwen2", 32),  # (Qwen2Config's default too: 32; 64 heads planned 64 KV heads, 2x the bytes)
+        ("qwen3-32b", "qwen3", 32),
+        ("qwen3-32b", "mistral", 8),
+        ("llama-3.1-8b", "llama", 32),  # LlamaConfig's: num_attention_heads
+        ("gemma-2-9b", "gemma2", 4),
+        ("gpt-oss-120b", "gpt_oss", 8),
+    ],
+)
+def test_an_absent_num_key_value_heads_takes_the_familys_default(preset: str, family: str, kv_heads: int) -> None:
+    """transformers' config classes default num_key_value_heads to a constant (Qwen2 / Qwen3 32,
+    Mistral and gpt-oss 8, Gemma 2 4), Llama's to num_attention_heads: the planner read every
+    absent one as num_attention_heads. A null one is num_attention_heads where transformers
+    takes it (Llama, Qwen2, Qwen3), refused where its int field refuses it."""
+    classes = {
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+        "llama": transformers.LlamaConfig,
+        "gemma2": transformers.Gemma2Config,
+        "gpt_oss": transformers.GptOssConfig,
+    }
+    cfg = {k: v for k, v in load_preset_config(preset).items() if k != "num_key_value_heads"} | {"model_type": family}
+    if family == "mistral":
+        cfg["sliding_window"] = None
+    heads = cfg["num_attention_heads"]
+    assert classes[family](num_attention_heads=heads).num_key_value_heads == kv_heads  # (the premise)
+    assert from_hf_config(cfg).num_kv_heads == kv_heads
+    null = cfg | {"num_key_value_heads": None}
+    if family in ("llama", "qwen2", "qwen3"):
+        assert (
+            from_hf_config(null).num_kv_heads
+            == heads
+            == classes[family](num_key_value_heads=None, num_attention_heads=heads).num_key_value_heads
+        )
+    else:
+        with pytest.raises(
+            ValueError, match=rf"num_key_value_heads must be a positive integer, got null .* {kv_heads}\)"
+        ):
+            from_hf_config(null)
+
+
 def test_plan_refuses_a_null_head_dim_in_one_line(tmp_path, capsys) -> None:
     """`kvpool plan --model config.json` with Qwen3's head_dim null: it planned with 128,
     while transformers and the engine (hf_config) refuse the file."""

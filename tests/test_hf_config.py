@@ -87,7 +87,9 @@ def test_a_directory_and_defaults(tmp_path):
     hf = llama_config(tmp_path)
     assert (hf.config.num_kv_heads, hf.config.rope_theta, hf.config.max_position) == (4, 10000.0, 2048)
     # the max_position_embeddings transformers gives each model_type without the key (Mistral's was 2,048)
-    for model_type, extra in (("mistral", {"sliding_window": None}), ("qwen2", {}), ("llama", {})):
+    # (with the KV heads: Mistral's and Qwen2's own defaults, 8 and 32, do not divide these 4 heads)
+    kv = {"num_key_value_heads": RAW["num_key_value_heads"]}
+    for model_type, extra in (("mistral", {"sliding_window": None, **kv}), ("qwen2", kv), ("llama", {})):
         (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": model_type, **extra}))
         reference = transformers.AutoConfig.for_model(model_type).max_position_embeddings
         assert llama_config(tmp_path).config.max_position == reference

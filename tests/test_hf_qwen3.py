@@ -151,6 +151,29 @@ def test_a_qwen3_config_without_head_dim_takes_transformers_128(tmp_path):
         llama_config_of({**raw, "head_dim": None}, tmp_path)
 
 
+@pytest.mark.parametrize(("model_type", "default"), [("qwen3", 32), ("qwen2", 32), ("mistral", 8), ("llama", 64)])
+def test_an_absent_num_key_value_heads_takes_transformers_default(tmp_path, model_type, default):
+    """Qwen2Config / Qwen3Config default num_key_value_heads to 32, MistralConfig to 8 (LlamaConfig
+    to num_attention_heads): a config.json of 64 heads without the key ran 64 KV heads where
+    transformers builds 32. null is num_attention_heads (MistralConfig refuses it)."""
+    classes = {
+        "qwen3": transformers.Qwen3Config,
+        "qwen2": transformers.Qwen2Config,
+        "mistral": transformers.MistralConfig,
+        "llama": transformers.LlamaConfig,
+    }
+    raw = {k: v for k, v in HF3.items() if k != "num_key_value_heads"}
+    raw |= {"model_type": model_type, "num_attention_heads": 64, "head_dim": 8, "sliding_window": None}
+    assert classes[model_type](**{k: v for k, v in raw.items() if k != "model_type"}).num_key_value_heads == default
+    assert llama_config_of(raw, tmp_path).num_kv_heads == default
+    null = {**raw, "num_key_value_heads": None}
+    if model_type == "mistral":
+        with pytest.raises(ValueError, match="num_key_value_heads must be a positive integer, got None"):
+            llama_config_of(null, tmp_path)
+    else:
+        assert llama_config_of(null, tmp_path).num_kv_heads == 64
+
+
 @pytest.mark.parametrize(
     ("changes", "match"),
     [

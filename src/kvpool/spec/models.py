@@ -43,7 +43,7 @@ from typing import Any
 
 from kvpool.spec import dsv4 as dsv4_spec
 from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec
-from kvpool.spec.hf_defaults import HEAD_DIM_DEFAULTS
+from kvpool.spec.hf_defaults import HEAD_DIM_DEFAULTS, KV_HEADS_DEFAULTS, KV_HEADS_NULL
 
 
 @dataclass(frozen=True)
@@ -550,7 +550,16 @@ def _hf_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
 def _parse_gqa(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
     common = _hf_fields(cfg, model_type)
     L, h, heads = common["num_layers"], common["hidden_size"], common["num_heads"]
-    kv_heads = _positive(cfg, "num_key_value_heads", model_type, default=heads)  # absent: MHA (HF's own default)
+    # absent: the family's default, as transformers builds the attention (a qwen3 of 64 heads was planned
+    # with 64 KV heads for its 32); null: num_attention_heads where transformers takes it
+    if "num_key_value_heads" in cfg and cfg["num_key_value_heads"] is None and model_type not in KV_HEADS_NULL:
+        raise ValueError(
+            f"{model_type} config: num_key_value_heads must be a positive integer, got null (leave it out for "
+            f"the family's default, {KV_HEADS_DEFAULTS[model_type]})"
+        )
+    kv_heads = _positive(cfg, "num_key_value_heads", model_type, default=KV_HEADS_DEFAULTS.get(model_type, heads))
+    if "num_key_value_heads" in cfg and cfg["num_key_value_heads"] is None:
+        kv_heads = heads
     # absent: transformers' own default, which for these families is a constant, not
     # hidden / heads (Qwen3-32B: 5120 / 64 = 80 for its 128)
     if model_type in HEAD_DIM_DEFAULTS and "head_dim" in cfg and cfg["head_dim"] is None:
