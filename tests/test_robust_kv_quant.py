@@ -356,6 +356,39 @@ def test_a_greedy_run_past_the_context_is_refused_before_the_evaluation(monkeypa
         kv_quant.quality_report(loaded, ["bf16"], text, "t", tokens=10_000, prefill=10)
 
 
+def test_greedy_agreement_joins_the_formats_by_their_names_however_spelled(monkeypatch) -> None:
+    """`eval kv-quant --formats kivi2-g32-r128` (kivi2's defaults spelled out): evaluate names
+    its results as kv_schema does ("kivi2"), greedy_agreement keyed them by the flag's spelling,
+    and the report was a KeyError traceback after every format had run."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import kvpool.verify.kv_quant as kv_quant
+
+    loaded = SimpleNamespace(
+        tokenizer=SimpleNamespace(encode=lambda text: list(range(len(text.split())))),
+        model=SimpleNamespace(config=SimpleNamespace(max_position=1000)),
+        gguf=SimpleNamespace(path="/m/tiny.gguf"),
+    )
+    blank = kv_quant.FormatQuality("", 1.0, 1, 1.0, 1.0, 0.0, 0.0, 1.0, [], (0.0, 0.0), (0.0, 0.0))
+
+    def evaluate(model, ids, formats, *args):  # (its results named as evaluate names them: kv_schema's)
+        named = [replace(blank, name=kv_schema(f).name) for f in formats]
+        return SimpleNamespace(formats=named, regime={}, fp32_perplexity=1.0, kv_max_abs=0.0)
+
+    def greedy(model, prompt, formats, steps, block_size):  # (keyed by the names it is given, as it is)
+        return {f: (0.5 + i / 10, i) for i, f in enumerate(formats)}
+
+    monkeypatch.setattr(kv_quant, "evaluate", evaluate)
+    monkeypatch.setattr(kv_quant, "greedy_agreement", greedy)
+    formats = ["kivi2-g32-r128", "int8"]
+    assert [kv_schema(f).name for f in formats] == ["kivi2", "int8"]  # (the premise)
+    text = " ".join(["w"] * 300)
+    report = kv_quant.quality_report(loaded, formats, text, "t", tokens=200, prefill=128, greedy_steps=4)
+    got = [(f["name"], f["greedy_agreement"], f["greedy_first_divergence"]) for f in report["formats"]]
+    assert got == [("kivi2", 0.5, 0), ("int8", 0.6, 1)]
+
+
 @pytest.mark.parametrize(
     ("formats", "named"),
     [("bf16,int8,bf16", "'bf16'"), ("kivi2,kivi2-g32-r128", "'kivi2' and 'kivi2-g32-r128'")],

@@ -454,7 +454,9 @@ def quality_report(
     if greedy_steps:
         if notice is not None:
             notice(f"greedy decoding, {greedy_steps} steps")
-        greedy = greedy_agreement(loaded.model, prompt, formats, greedy_steps, block_size)
+        # (by the names evaluate gives its results, kv_schema's: "kivi2-g32-r128", kivi2's defaults
+        # spelled out, is "kivi2", and keying by the flag's spelling was a KeyError after every format ran)
+        greedy = greedy_agreement(loaded.model, prompt, [r.name for r in results], greedy_steps, block_size)
         results = [
             replace(r, greedy_agreement=greedy[r.name][0], greedy_first_divergence=greedy[r.name][1]) for r in results
         ]
