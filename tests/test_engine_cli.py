@@ -259,3 +259,18 @@ def test_ctrl_c_during_run_stops_cleanly_and_reports_what_finished(capsys, monke
     # (it read "the report covers the 1 requests that finished")
     finished = f"the {report['num_finished']} of {report['num_requests']} requests that finished"
     assert f"kvpool run: interrupted; the report covers {finished}" in captured.err
+
+
+def test_bench_engine_draws_its_prompts_within_the_vocabulary():
+    """The prompts were ids in [100, 49000) whatever the model: a Llama 2 vocabulary (32,000)
+    was refused by the engine after the attention and glue parts had run. SmolLM2's (49,152)
+    draws the ids it always drew."""
+    import random
+
+    from kvpool.bench.engine import _random_ids
+
+    old = random.Random(0)
+    assert _random_ids(random.Random(0), 500, 49152) == [old.randrange(100, 49000) for _ in range(500)]
+    for vocab in (32000, 467, 3):
+        ids = _random_ids(random.Random(1), 2000, vocab)
+        assert 0 <= min(ids) and max(ids) < vocab and len(set(ids)) > min(vocab // 4, 100), vocab

@@ -235,13 +235,23 @@ def bench_glue(loaded) -> dict:
     return report
 
 
+def _random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    """n token ids drawn from [100, 49000) (SmolLM2's vocabulary of 49,152 holds them: its
+    benchmark's ids as ever), within a smaller vocabulary (Llama 2's 32,000) its own range:
+    a fixed range was refused by the engine after the parts before had run."""
+    high = min(49000, vocab_size)
+    low = min(100, high // 2)
+    return [rng.randrange(low, high) for _ in range(n)]
+
+
 def bench_ttft(loaded, block_size: int, rng: random.Random) -> dict:
     """Part 2: TTFT (the steps from arrival to the first token) of a 1,000-token system prompt
     plus 20 fresh tokens, cold, then again with the system prompt cached."""
     from kvpool.engine.build import build_engine
     from kvpool.engine.sampling import SamplingParams
 
-    system = [rng.randrange(100, 49000) for _ in range(1000)]
+    vocab = loaded.model.config.vocab_size
+    system = _random_ids(rng, 1000, vocab)
     engine = build_engine(loaded, num_blocks=256, block_size=block_size, max_num_batched_tokens=2048)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -252,8 +262,8 @@ def bench_ttft(loaded, block_size: int, rng: random.Random) -> dict:
         return time.perf_counter() - t0, engine.output(rid).num_cached_tokens
 
     ttft(system[:64])  # warm-up
-    cold, _ = ttft(system + [rng.randrange(100, 49000) for _ in range(20)])
-    warm, cached = ttft(system + [rng.randrange(100, 49000) for _ in range(20)])
+    cold, _ = ttft(system + _random_ids(rng, 20, vocab))
+    warm, cached = ttft(system + _random_ids(rng, 20, vocab))
     return {
         "system_prompt_tokens": 1000,
         "cold_ms": round(cold * 1e3, 1),
@@ -282,9 +292,10 @@ def bench_decode(
     from kvpool.models.gguf import default_gguf_path
 
     n = new_tokens
+    vocab = loaded.model.config.vocab_size
     batches = {
-        "batch1": [[rng.randrange(100, 49000) for _ in range(64)]],
-        "batch16": [[rng.randrange(100, 49000) for _ in range(16 + 8 * i)] for i in range(16)],  # 16..136
+        "batch1": [_random_ids(rng, 64, vocab)],
+        "batch16": [_random_ids(rng, 16 + 8 * i, vocab) for i in range(16)],  # 16..136
     }
     hf = None
     if not skip_hf:
