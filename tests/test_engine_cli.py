@@ -274,3 +274,32 @@ def test_bench_engine_draws_its_prompts_within_the_vocabulary():
     for vocab in (32000, 467, 3):
         ids = _random_ids(random.Random(1), 2000, vocab)
         assert 0 <= min(ids) and max(ids) < vocab and len(set(ids)) > min(vocab // 4, 100), vocab
+
+
+def test_bench_engine_loads_an_hf_directory_into_transformers_as_a_directory(tmp_path, monkeypatch):
+    """bench engine's transformers side read every model as a GGUF: an HF directory
+    (`from_pretrained(dirname, gguf_file=basename)`) was transformers' OSError traceback."""
+    import random
+    from types import SimpleNamespace
+
+    from kvpool.bench.engine import bench_decode
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    calls = []
+
+    def from_pretrained(*args, **kwargs):
+        calls.append((args, {k: v for k, v in kwargs.items() if k != "dtype"}))
+        raise RuntimeError("loaded")
+
+    # (a stand-in for transformers: its import alone takes seconds)
+    fake = SimpleNamespace(AutoModelForCausalLM=SimpleNamespace(from_pretrained=from_pretrained))
+    monkeypatch.setitem(__import__("sys").modules, "transformers", fake)
+    loaded = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(vocab_size=467)))
+    for model, want in (
+        (str(tmp_path / "m"), ((str(tmp_path / "m"),), {})),
+        (str(tmp_path / "x.gguf"), ((str(tmp_path),), {"gguf_file": "x.gguf"})),
+    ):
+        with pytest.raises(RuntimeError, match="loaded"):
+            bench_decode(loaded, model, 2, 16, False, random.Random(0))
+        assert calls.pop() == want

@@ -290,6 +290,7 @@ def bench_decode(
     from kvpool.engine.build import build_engine
     from kvpool.engine.sampling import SamplingParams
     from kvpool.models.gguf import default_gguf_path
+    from kvpool.models.hf_tokenizer import is_hf_directory
 
     n = new_tokens
     vocab = loaded.model.config.vocab_size
@@ -303,9 +304,12 @@ def bench_decode(
         import transformers
 
         path = model or default_gguf_path()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-        )
+        if is_hf_directory(path):  # (its safetensors: read as a GGUF named by the folder, a traceback)
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        else:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+            )
         hf.eval()
     decode = {}
     for name, prompts in batches.items():
