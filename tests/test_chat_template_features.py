@@ -168,6 +168,32 @@ def test_llm_chat_passes_chat_template_kwargs(tmp_path):
         llm.chat(MESSAGES[1:2], params, chat_template_kwargs=[("enable_thinking", False)])
 
 
+def test_llm_chat_leaves_out_the_keys_set_to_none_as_transformers(tmp_path):
+    """transformers 5.25's apply_chat_template drops a message's keys whose value is None (an
+    OpenAI message's tool_calls=None): LLM.chat passed them, and `is defined` saw them set."""
+    path = tmp_path / "m"
+    save_tokenizer(path)
+    template = (
+        "{% for m in messages %}{{ m.role }}{% if m.tool_calls is defined %}[calls]{% endif %}"
+        "{% if m.name is defined %}[{{ m.name }}]{% endif %}: {{ m.content }}\n{% endfor %}"
+    )
+    (path / "chat_template.jinja").write_text(template)
+    messages = [
+        {"role": "system", "content": "s", "name": "x"},
+        {"role": "user", "content": "hi", "name": None},
+        {"role": "assistant", "content": "ok", "tool_calls": None},
+        {"role": "user", "content": "and?"},
+    ]
+    want = _reference(path).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert want == "system[x]: s\nuser: hi\nassistant: ok\nuser: and?\n"  # (the premise)
+    llm = kvpool.LLM.__new__(kvpool.LLM)  # (its tokenizer alone: the prompts it would run are returned)
+    llm.tokenizer = load_hf_tokenizer(path)
+    llm._run = lambda encoded, params: encoded
+    ((text, ids),) = llm.chat(messages)
+    assert text == want and ids == llm.tokenizer.encode_rendered(want)
+    assert messages[1]["name"] is None  # (the caller's messages as they were)
+
+
 def test_serve_takes_chat_template_kwargs_through_extra_body(tmp_path):
     """/v1/chat/completions' chat_template_kwargs (vLLM's name): it was ignored (the request
     model drops unknown fields), so enable_thinking false rendered the thinking prompt. A dict
