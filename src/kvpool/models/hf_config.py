@@ -24,7 +24,7 @@ import torch
 from kvpool.models.gguf import LlamaConfig
 from kvpool.models.llama import QK_NORM_PARTS, LlamaModel, layer_parts
 from kvpool.models.rope import llama3_divisors
-from kvpool.spec.hf_defaults import HEAD_DIM_DEFAULTS, KV_HEADS_DEFAULTS  # (Qwen3Config's 128, not hidden / heads)
+from kvpool.spec.hf_defaults import HEAD_DIM_DEFAULTS, KV_HEADS_DEFAULTS, KV_HEADS_NULL
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # model_type values whose math models/llama.py computes
 # transformers' defaults that differ by model_type (Qwen2Config's and Qwen3Config's context: 32,768;
@@ -99,7 +99,7 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
     num_heads = positive("num_attention_heads")
     # absent: the family's default, as transformers' attention is then built (a qwen3 of 64 heads ran
     # 64 KV heads for its 32); null: num_attention_heads (MistralConfig's int field refuses it)
-    if raw.get("num_key_value_heads", 0) is None and model_type != "mistral":
+    if raw.get("num_key_value_heads", 0) is None and model_type in KV_HEADS_NULL:
         num_kv_heads = num_heads
     else:
         num_kv_heads = positive("num_key_value_heads", KV_HEADS_DEFAULTS.get(model_type, num_heads))
