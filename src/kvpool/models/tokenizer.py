@@ -189,7 +189,8 @@ class ChatTokenizer:
         env.globals["raise_exception"] = raise_exception
         env.filters["tojson"] = _tojson
         # ValueError, one line: a template that is not jinja, or one that refuses the messages
-        # (its raise_exception, an undefined name), was a jinja2 traceback from the CLI
+        # (its raise_exception, an undefined name, any exception its rendering raises), was a
+        # traceback from the CLI and LLM.chat; every caller (generate, LLM.chat, serve's 400) says it
         try:
             template = env.from_string(self.chat_template)
         except jinja2.TemplateSyntaxError as e:
@@ -200,8 +201,10 @@ class ChatTokenizer:
             return template.render(
                 **{**self.template_vars, **extra}, messages=messages, add_generation_prompt=add_generation_prompt
             )
-        except (jinja2.TemplateError, TypeError) as e:
+        except (jinja2.TemplateError, TypeError) as e:  # (its own words, an undefined name, a bad operand)
             raise ValueError(f"the chat template refused the messages: {e}") from None
+        except Exception as e:  # anything else it raises ({{ 1/0 }}, the sandbox's range limit): named by its class
+            raise ValueError(f"the chat template refused the messages: {type(e).__name__}: {e}") from None
 
     def encode_rendered(self, text: str) -> list[int]:
         """The ids of a rendered chat template (render_chat's text). An HF directory's: without

@@ -1,0 +1,81 @@
+"""How render_chat treats what a chat template does beyond plain jinja: an exception its
+rendering raises is one ValueError line for every caller (kvpool generate, LLM.chat, serve's
+400)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import kvpool
+from hf_tiny import save_tokenizer
+from kvpool.cli.main import main
+from kvpool.models.hf_tokenizer import load_hf_tokenizer
+
+HI = [{"role": "user", "content": "hi"}]
+
+# templates whose rendering raises what is neither jinja's TemplateError nor a TypeError (a
+# ValueError from a bad format spec passed through without saying it was the template's)
+RAISING = [
+    ("{{ 1 / 0 }}", "ZeroDivisionError: division by zero"),
+    ("{% for i in range(10**9) %}x{% endfor %}", "OverflowError: Range too big"),
+    ("{{ '{:q}'.format(1) }}", "ValueError: Unknown format code 'q'"),
+]
+
+
+def _directory(path: Path, template: str) -> Path:
+    save_tokenizer(path)
+    (path / "chat_template.jinja").write_text(template)
+    return path
+
+
+@pytest.mark.parametrize(("template", "words"), RAISING)
+def test_an_exception_the_template_raises_is_one_value_error_line(tmp_path, template, words):
+    """{{ 1/0 }} (ZeroDivisionError) and the sandbox's range limit (OverflowError) escaped
+    render_chat, which caught jinja's TemplateError and TypeError alone: a traceback from
+    kvpool generate and LLM.chat."""
+    tok = load_hf_tokenizer(_directory(tmp_path / "t", template))
+    with pytest.raises(ValueError) as info:
+        tok.render_chat(HI)
+    line = str(info.value)
+    assert line.startswith(f"the chat template refused the messages: {words}") and "\n" not in line, line
+
+
+def test_each_caller_says_the_same_line(tmp_path, capsys):
+    """kvpool generate (exit 2, one line, no traceback), LLM.chat (the ValueError) and serve
+    (a 400 naming messages) all report the template's ZeroDivisionError in render_chat's words."""
+    from kvpool.server.app import ServerState, build_app
+    from kvpool.server.metrics import ServerMetrics
+    from test_hf_spm import _llama_weights
+
+    path = tmp_path / "m"
+    _llama_weights(path)
+    _directory(path, "{{ 1 / 0 }}")  # (the tiny byte-level vocabulary: a smaller one than the weights' is fine)
+    want = "the chat template refused the messages: ZeroDivisionError: division by zero"
+    capsys.readouterr()
+    assert main(["generate", "hi", "--model", str(path), "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvpool generate: error: {want}\n", err
+    llm = kvpool.LLM.__new__(kvpool.LLM)  # (its tokenizer alone: the chat fails before it would run)
+    llm.tokenizer = load_hf_tokenizer(path)
+    with pytest.raises(ValueError) as info:
+        llm.chat(HI)
+    assert str(info.value) == want
+    # serve: the chat is rendered before the engine is asked for anything (none is given)
+    engine = SimpleNamespace(stopping=False)  # (what reading the body asks of it)
+    state = ServerState(engine, llm.tokenizer, ServerMetrics("m"), "m", 2048)  # type: ignore[arg-type]
+
+    async def post():
+        import httpx
+
+        transport = httpx.ASGITransport(app=build_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+            return await client.post("/v1/chat/completions", json={"model": "m", "messages": HI, "max_tokens": 1})
+
+    reply = asyncio.run(post())
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["message"] == f"messages: {want}" and error["param"] == "messages", error
