@@ -1,6 +1,6 @@
 """How render_chat treats what a chat template does beyond plain jinja: an exception its
 rendering raises is one ValueError line for every caller (kvpool generate, LLM.chat, serve's
-400)."""
+400); transformers' {% generation %} tag renders as transformers renders it."""
 
 from __future__ import annotations
 
@@ -79,3 +79,64 @@ def test_each_caller_says_the_same_line(tmp_path, capsys):
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["message"] == f"messages: {want}" and error["param"] == "messages", error
+
+
+# a template trained with assistant-token masks: the assistant's turns inside {% generation %}
+GENERATION = """{%- for m in messages -%}
+<|im_start|>{{ m.role }}
+{% if m.role == 'assistant' -%}
+  {%- generation -%}
+{{ m.content }}<|im_end|>
+  {%- endgeneration %}
+
+{% else -%}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}
+{% generation %}{% set inside = 'set within' %}{{ inside }}{% endgeneration %}[{{ inside }}]
+{%- for m in messages %}{% generation %}{% if loop.last %}({{ loop.length }}){% endif %}{% endgeneration %}
+{%- endfor %}"""
+
+CHAT = [
+    {"role": "system", "content": "Be brief"},
+    {"role": "user", "content": "Hi 你好"},
+    {"role": "assistant", "content": "Hello <b> & 'q'"},
+    {"role": "user", "content": "and?"},
+]
+
+
+@pytest.mark.parametrize("messages", [CHAT, CHAT[:3], CHAT[1:2]])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_the_generation_tag_renders_its_body_as_transformers(tmp_path, messages, add_generation_prompt):
+    """transformers' apply_chat_template knows {% generation %}...{% endgeneration %} (it marks
+    the assistant's tokens for return_assistant_tokens_mask): kvpool refused it, 'Encountered
+    unknown tag'. Its body renders unchanged, whitespace control and trim_blocks as any tag's,
+    a {% set %} within it unseen after it, loop variables seen within it."""
+    from test_chat_template_features import _reference
+
+    path = _directory(tmp_path / "t", GENERATION)
+    ref, tok = _reference(path), load_hf_tokenizer(path)
+    want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert tok.render_chat(messages, add_generation_prompt=add_generation_prompt) == want
+    assert f"set within[]({len(messages)})" in want  # (the premises: the scope, the loop)
+    if messages is CHAT:
+        assert "assistant\nHello <b> & 'q'<|im_end|>\n<|im_start|>user" in want
+        marked = ref.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+        assert any(marked["assistant_masks"])  # (the premise: transformers reads the tag)
+
+
+def test_a_generation_tag_misused_is_one_line(tmp_path):
+    """An argument, a missing end: jinja's syntax error; a {% break %} in the body (transformers:
+    Python's SyntaxError from the compiled template, its body being a macro) was a traceback."""
+    for template, words in (
+        ("{% generation x %}a{% endgeneration %}", r"\(line 1\): expected token 'end of statement"),
+        ("{% generation %}a", r"\(line 1\): Unexpected end of template"),
+        ("{% for m in messages %}{% generation %}{% break %}{% endgeneration %}{% endfor %}", "'break' outside loop"),
+        ("{% for m in messages %}{% macro f() %}{% continue %}{% endmacro %}{% endfor %}", "'continue' not properly"),
+    ):
+        tok = load_hf_tokenizer(_directory(tmp_path / "t", template))
+        with pytest.raises(ValueError, match=f"chat_template.jinja's chat template is not valid jinja.*{words}") as e:
+            tok.render_chat(HI)
+        assert "\n" not in str(e.value)

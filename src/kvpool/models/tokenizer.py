@@ -19,6 +19,7 @@ llama.cpp reads it (_build_spm).
 from __future__ import annotations
 
 import codecs
+import functools
 import itertools
 import json
 from collections.abc import Container, Mapping, Sequence
@@ -107,6 +108,30 @@ def _tojson(
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+@functools.cache
+def _generation_tag() -> type:
+    """The jinja extension for `{% generation %}...{% endgeneration %}`, a tag transformers'
+    apply_chat_template knows (templates trained with assistant-token masks wrap the
+    assistant's turns in it): the body renders as written, in a scope of its own as in
+    transformers (a `{% set %}` inside stays inside); the mask it marks for
+    return_assistant_tokens_mask is not kvpool's. jinja2 stock refuses the unknown tag."""
+    import jinja2.ext
+    import jinja2.nodes
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> jinja2.nodes.Node:
+            lineno = next(parser.stream).lineno  # (the tag's name; it takes no arguments)
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+        def _render_body(self, caller: Any) -> str:
+            return caller()
+
+    return GenerationTag
+
+
 @dataclass
 class ChatTokenizer:
     """Encode / decode text and render chat messages with the model's own template."""
@@ -184,7 +209,8 @@ class ChatTokenizer:
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True,
             lstrip_blocks=True,
-            extensions=[jinja2.ext.loopcontrols],  # ({% break %} / {% continue %}, which HF templates may use)
+            # {% break %} / {% continue %}, which HF templates may use; transformers' {% generation %}
+            extensions=[jinja2.ext.loopcontrols, _generation_tag()],
         )
         env.globals["raise_exception"] = raise_exception
         env.filters["tojson"] = _tojson
@@ -197,6 +223,8 @@ class ChatTokenizer:
             raise ValueError(
                 f"{self.template_source} chat template is not valid jinja (line {e.lineno}): {e.message}"
             ) from None
+        except SyntaxError as e:  # the Python jinja compiles it to refused it ({% break %} in a macro in a loop)
+            raise ValueError(f"{self.template_source} chat template is not valid jinja: {e.msg}") from None
         try:
             return template.render(
                 **{**self.template_vars, **extra}, messages=messages, add_generation_prompt=add_generation_prompt
