@@ -140,3 +140,32 @@ def test_a_generation_tag_misused_is_one_line(tmp_path):
         with pytest.raises(ValueError, match=f"chat_template.jinja's chat template is not valid jinja.*{words}") as e:
             tok.render_chat(HI)
         assert "\n" not in str(e.value)
+
+
+NAMED = (
+    "{% for m in messages %}{{ m.role }}{% if m.tool_calls is defined %}[calls]{% endif %}"
+    "{% if m.name is defined %}[{{ m.name }}]{% endif %}<{{ m.name }}>: {{ m.content }}\n{% endfor %}"
+)
+
+
+def test_render_chat_leaves_out_the_keys_set_to_none_as_transformers(tmp_path):
+    """transformers 5.25's apply_chat_template drops a message's keys whose value is None (an
+    OpenAI message's name=None, tool_calls=None): LLM.chat alone dropped them, render_chat's
+    other callers passed them on ('user[None]<None>: hi'). The caller's messages are unchanged."""
+    from test_chat_template_features import _reference
+
+    path = _directory(tmp_path / "t", NAMED)
+    messages = [
+        {"role": "system", "content": "s", "name": "x"},
+        {"role": "user", "content": "hi", "name": None},
+        {"role": "assistant", "content": "ok", "tool_calls": None},
+    ]
+    want = _reference(path).apply_chat_template(messages, tokenize=False)
+    assert want == "system[x]<x>: s\nuser<>: hi\nassistant<>: ok\n"  # (the premise)
+    tok = load_hf_tokenizer(path)
+    assert tok.render_chat(messages) == want
+    assert messages[1] == {"role": "user", "content": "hi", "name": None}  # (as they were)
+    llm = kvpool.LLM.__new__(kvpool.LLM)  # (its tokenizer alone: the prompts it would run are returned)
+    llm.tokenizer = tok
+    llm._run = lambda encoded, params: encoded
+    assert llm.chat(messages) == [(want, tok.encode_rendered(want))]

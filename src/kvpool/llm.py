@@ -231,9 +231,7 @@ class LLM:
                 for key in ("role", "content"):
                     if not isinstance(m[key], str):
                         raise TypeError(f"conversations[{i}][{j}]['{key}'] is a {type(m[key]).__name__}, not a string")
-            # a key whose value is None is left out, as transformers 5.25's apply_chat_template leaves it
-            # (an OpenAI message's tool_calls=None, name=None): a template's `is defined` saw it set
-            messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+            # (render_chat leaves out a key whose value is None, as transformers does)
             text = self.tokenizer.render_chat(messages, template_kwargs=chat_template_kwargs)
             encoded.append((text, self.tokenizer.encode_rendered(text)))
         return self._run(encoded, params)

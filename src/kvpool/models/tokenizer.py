@@ -225,6 +225,10 @@ class ChatTokenizer:
             ) from None
         except SyntaxError as e:  # the Python jinja compiles it to refused it ({% break %} in a macro in a loop)
             raise ValueError(f"{self.template_source} chat template is not valid jinja: {e.msg}") from None
+        # a message's key whose value is None is left out, as transformers 5.25's apply_chat_template
+        # leaves it (an OpenAI message's tool_calls=None, name=None): a template's `is defined` saw it
+        # set and `{{ m.name }}` printed 'None'; the caller's messages are not changed
+        messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, Mapping) else m for m in messages]
         try:
             return template.render(
                 **{**self.template_vars, **extra}, messages=messages, add_generation_prompt=add_generation_prompt
