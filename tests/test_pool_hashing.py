@@ -383,3 +383,106 @@ def test_touch_moves_free_cached_blocks_to_the_end_in_order() -> None:
         pool.touch([1, "x"])
     assert pool.free_queue() == [5, 1, 3, 2, 0]
     pool.check_integrity()
+
+
+_LIFECYCLE_OPS = ["alloc", "publish", "parts", "register", "decref", "undo", "touch", "unreg", "reset"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_a_block_lists_copies_exactly_while_it_is_published(data: st.DataObject) -> None:
+    """`is_published(block)` is `bool(block.block_ids)` for every prefix block that is no
+    root, through any mix of the pool's calls (allocations that evict, `publish`,
+    `publish_parts` with and without release, `register` of chained blocks old and new,
+    `unallocate`, `unregister`, `touch`, `decref`, a reset): the dual pool's checkpoints read
+    the attribute in place of the probe. A weak hash (16 values) makes collisions, taken
+    hashes and stale orphans common."""
+    pool = BlockPool(10)
+    weak = data.draw(st.booleans())
+    if weak:
+        pool.hasher.digest = lambda data: bytes([xxhash.xxh3_64_intdigest(data) % 16]) * 16
+    root = pool.root(b"desc")
+    seen: list = []  # every prefix block made, published or not
+    held: list[int] = []  # one reference each (a block may be listed more than once)
+    undo: list = []  # (ids, evicted) of the last allocation, while its blocks are untouched
+
+    def publishable() -> list[int]:
+        return [b for b in set(held) if pool.refcount(b) and pool.prefix_block(b) is None]
+
+    for _ in range(data.draw(st.integers(5, 40))):
+        op = data.draw(st.sampled_from(_LIFECYCLE_OPS))
+        parents = [root, *(b for b in seen if b.block_ids)]
+        if op == "alloc":
+            evicted: list = []
+            ids = pool.allocate(data.draw(st.integers(0, 3)), evicted)
+            if ids is not None:
+                held += ids
+                undo = [(ids, evicted)]
+                continue
+        elif op == "publish" and publishable():
+            b = data.draw(st.sampled_from(sorted(publishable())))
+            parent = data.draw(st.sampled_from(parents))
+            seen.append(pool.publish(b, parent, token_bytes([data.draw(st.integers(0, 3))]), b""))
+        elif op == "parts" and len(publishable()) >= 2:
+            ids = data.draw(st.permutations(sorted(publishable())))[: data.draw(st.integers(1, 3))]
+            parent = data.draw(st.sampled_from(parents))
+            release = data.draw(st.booleans())
+            parts = pool.publish_parts(ids, parent, [b"p:%d" % i for i in range(len(ids))], release=release)
+            seen += parts or ()
+            if release:
+                for b in ids:
+                    held.remove(b)
+        elif op == "register" and publishable():
+            b = data.draw(st.sampled_from(sorted(publishable())))
+            block = pool.chain(data.draw(st.sampled_from([root, *seen])), token_bytes([data.draw(st.integers(0, 3))]))
+            seen.append(block)
+            pool.register(b, block, orphan_ok=data.draw(st.booleans()))
+        elif op == "decref" and held:
+            b = data.draw(st.sampled_from(held))
+            held.remove(b)
+            pool.decref([b])
+            if undo and b in undo[0][0]:
+                undo = []  # (an undo is of blocks untouched since their allocation)
+        elif op == "undo" and undo:
+            ids, evicted = undo[0]
+            if all(pool.refcount(b) == 1 and pool.prefix_block(b) is None for b in ids):
+                pool.unallocate(ids, evicted)
+                for b in ids:
+                    held.remove(b)
+            undo = []
+        elif op == "touch":
+            cached = [b for b in range(pool.num_blocks) if pool.is_free_cached(b)]
+            if cached:
+                pool.touch(data.draw(st.permutations(cached)))
+        elif op == "unreg":
+            mine = [b for b in set(held) if pool.refcount(b) == 1 and pool.prefix_block(b) is not None]
+            if mine:
+                pool.unregister(data.draw(st.sampled_from(sorted(mine))))
+        elif op == "reset" and not held:
+            pool._forget_cached()
+            undo = []
+        pool.check_integrity()
+        for block in seen:
+            assert pool.is_published(block) == bool(block.block_ids), (op, block)
+
+
+def test_an_undone_eviction_whose_hash_was_taken_since_lists_no_copy():
+    """`unallocate` of an allocation that evicted content X, whose hash another block has
+    taken since: X is not put back (its block goes unhashed), so it lists no copy and is
+    not published, while the new content is both."""
+    pool = BlockPool(2)
+    root = pool.root(b"desc")
+    (a,) = pool.allocate(1)
+    x = pool.publish(a, root, token_bytes([1]))
+    pool.decref([a])
+    (b,) = pool.allocate(1)  # (the unhashed block first)
+    evicted: list = []
+    (c,) = pool.allocate(1, evicted)  # evicts x
+    assert evicted == [(a, x)] and c == a and not x.block_ids
+    y = pool.publish(b, root, token_bytes([1]))  # the same content again: its hash, another object
+    assert y is not x and pool.is_published(y)
+    pool.unallocate([c], evicted)
+    pool.check_integrity()
+    assert not x.block_ids and not pool.is_published(x)
+    assert y.block_ids == (b,) and pool.is_published(y)
+    assert pool.free_queue() == [a]  # back unhashed

@@ -73,6 +73,7 @@ blocks drops it, and an undo (`BlockPool.unallocate`) makes it findable again. T
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -244,6 +245,9 @@ _STATE_EXTRA = b"v4-state:"  # a pooled checkpoint's part i: chained after its b
 
 
 _SWAP_EXTRA = b"v4-swap:"  # a swapped-out state's tier entry: never a span's or a turn end's key
+# a prefix block's copies: listed only while it is its hash's entry in the index, so for a
+# block that is no root, truthy exactly when `BlockPool.is_published` is (no index probe)
+_COPIES = operator.attrgetter("block_ids")
 
 
 def _state_part(block: PrefixBlock) -> bool:
@@ -411,7 +415,7 @@ class DualPoolGroup(CacheGroup):
     def _spill_pays(self, ckpt: _Checkpoint, point: int) -> bool:
         """Whether a spilled turn end at `point` is served: its checkpoint is whole (every
         part findable), and under "auto" its copy is priced no dearer than a replay there."""
-        if not all(self.pool.is_published(part) for part in ckpt.parts):
+        if not all(map(_COPIES, ckpt.parts)):  # (`is_published` of each part: listed copies)
             return False
         if self.spec.restore != "auto":
             return True
@@ -733,7 +737,7 @@ class DualPoolGroup(CacheGroup):
                 if block.token_bytes and block.block_hash in self._spilled and self.pool.is_published(block):
                     self._spills.relist(block)
         for block_hash, ckpt in pending.dropped:  # back unless a later allocation took another of its blocks
-            if block_hash not in self._checkpoints and all(self.checkpoint_pool.is_published(p) for p in ckpt.parts):
+            if block_hash not in self._checkpoints and all(map(_COPIES, ckpt.parts)):
                 self._checkpoints[block_hash] = ckpt
         if self._evicted is not None and pending.evicted_blocks:  # not evicted after all: the tier needs them not
             undone = {block_id for block_id, _ in pending.evicted_blocks}
@@ -778,7 +782,7 @@ class DualPoolGroup(CacheGroup):
         if rest is None:  # (a collision: the parts left unpublished were freed unhashed)
             return
         if len(self._spilled) >= self._spilled_prune_at:  # dead records dropped (a live one holds its blocks)
-            self._spilled = {h: ck for h, ck in self._spilled.items() if all(map(pool.is_published, ck.parts))}
+            self._spilled = {h: ck for h, ck in self._spilled.items() if all(map(_COPIES, ck.parts))}
             self._spilled_prune_at = 2 * len(self._spilled) + 64
         self._spilled[block.block_hash] = _Checkpoint(ids[0], block, (block, *rest))
         self._spill_copies.append((slot, self._slot_base + ids[0]))
@@ -798,7 +802,7 @@ class DualPoolGroup(CacheGroup):
         block the content the index holds (a checkpoint of an evicted prefix is stale: it
         is replaced)."""
         ckpt = self._checkpoints.get(block.block_hash)
-        return ckpt if ckpt is not None and self.pool.is_published(ckpt.block) else None
+        return ckpt if ckpt is not None and ckpt.block.block_ids else None  # (`is_published`: it lists copies)
 
     def _touch(self, ckpt: _Checkpoint) -> None:
         """A restore used `ckpt`: most recently used now (its blocks go to the end of the

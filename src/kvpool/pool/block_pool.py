@@ -247,7 +247,12 @@ class BlockPool:
         self.num_allocated -= len(block_ids)
 
     def is_published(self, block: PrefixBlock) -> bool:
-        """Whether `block` is the content the index holds for its hash (a root always is)."""
+        """Whether `block` is the content the index holds for its hash (a root always is).
+        For a block that is no root, the same as `bool(block.block_ids)`: a prefix block
+        lists copies only while it is the index's entry for its hash (each path that lists a
+        copy makes it the entry or finds it there, and the entry it replaces lists none), so
+        a caller that holds many may test that attribute instead, with no probe of the index
+        (tests/test_pool_hashing.py holds the two equal through a pool's lifecycle)."""
         return block.parent is None or self._index.get(block.block_hash) is block
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -576,6 +581,7 @@ class BlockPool:
                 block_hash = digest(head + extra)
                 part = PrefixBlock(block_hash, parent, b"", extra, (block_id,))
                 if index.setdefault(block_hash, part) is not part:
+                    part.block_ids = ()  # (not the entry: it lists no copy, `is_published`)
                     break  # (the hash is taken: an equal copy to join, or a collision)
                 cached[block_id] = part
                 parts.append(part)
