@@ -245,8 +245,11 @@ def test_the_cuts_kept_restore_choices_are_choose_restores_and_stay_bounded(monk
     for _ in range(2):  # made, then (some) kept
         for n in range(12):
             for k in range(n + 1):
-                assert g._restore_choice(n, k) == choose_restore(n * SPAN, k * SPAN, replay_len, cost), (n, k)
+                assert g._restore_choice(n * SPAN, k * SPAN) == choose_restore(n * SPAN, k * SPAN, replay_len, cost)
                 assert len(g._choices) <= 50
+        for point in range(1, 3 * SPAN):  # a spilled turn end's point (`_spill_pays`): inside a span too
+            assert g._restore_choice(point, point) == choose_restore(point, point, replay_len, cost), point
+            assert len(g._choices) <= 50
 
 
 def test_pooled_checkpoints_live_in_the_classical_pool_and_leave_in_its_lru_order() -> None:

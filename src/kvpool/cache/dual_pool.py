@@ -238,8 +238,9 @@ class _Checkpoint:
     parts: tuple[PrefixBlock, ...]  # the registered contents of its blocks
 
 
-# the cut's restore choices a group keeps at most (`_restore_choice`): a hit's spans and its
-# checkpointed ones, a few hundred pairs at chat lengths; past this, they are made again
+# the restore choices a group keeps at most (`_restore_choice`): a hit's spans and its
+# checkpointed ones, a few hundred pairs at chat lengths, and the spilled turn ends' points;
+# past this, they are made again
 MAX_RESTORE_CHOICES = 4096
 _STATE_EXTRA = b"v4-state:"  # a pooled checkpoint's part i: chained after its boundary block
 
@@ -341,7 +342,7 @@ class DualPoolGroup(CacheGroup):
         self.granularity = self.commit_period = self.decode_reserve_period = spec.span
         self.restore_cost: RestoreCost = spec.restore_cost if spec.restore_cost is not None else TokenCost()
         self._priced = spec.restore == "auto"  # the cut reads the restore cost (`lookup_stamp`)
-        # (spans, checkpointed spans) -> the cut's `choose_restore`, under the cost's version
+        # (hit, checkpointed tokens) -> their `choose_restore`, under the cost's version
         # `_choices_version` (`_restore_choice`)
         self._choices: dict[tuple[int, int], RestoreChoice] = {}
         self._choices_version: Hashable = None
@@ -419,7 +420,7 @@ class DualPoolGroup(CacheGroup):
             return False
         if self.spec.restore != "auto":
             return True
-        return choose_restore(point, point, self.spec.replay_len, self.restore_cost).method == "checkpoint"
+        return self._restore_choice(point, point).method == "checkpoint"
 
     def lookup_stamp(self) -> tuple[Hashable, ...] | None:
         """`hits` reads the classical pool's index (the run; the checkpoints' boundaries), the
@@ -467,7 +468,7 @@ class DualPoolGroup(CacheGroup):
         if restore == "checkpoint":  # the hit is usable only up to there
             method = "checkpoint" if k else "none"
         else:
-            choice = self._restore_choice(len(block_ids), k)
+            choice = self._restore_choice(len(block_ids) * span, k * span)
             k, method = choice.num_cached_tokens // span, choice.method
         if self._swap_boundaries:  # a swapped-out state's boundary past the cut: the hit reaches it
             j = len(block_ids)
@@ -477,24 +478,23 @@ class DualPoolGroup(CacheGroup):
                 k, method = j, "checkpoint" if self._checkpoint(chain[j - 1]) is not None else "recompute"
         return DualPoolHits(block_ids[:k], chain[:k], method)
 
-    def _restore_choice(self, num_spans: int, num_checkpointed: int) -> RestoreChoice:
-        """`choose_restore` of a hit of `num_spans` spans whose last checkpoint is at span
-        `num_checkpointed`, kept while the restore cost's `version` holds (its prices are
-        then the same): every "auto" lookup prices its hit, the router's on each replica it
-        asks, at whole spans of a few lengths. A cost without a version is asked each time."""
-        span, cost = self.span, self.restore_cost
+    def _restore_choice(self, hit_len: int, checkpoint_len: int) -> RestoreChoice:
+        """`choose_restore(hit_len, checkpoint_len, ...)`, kept while the restore cost's
+        `version` holds (its prices are then the same): every "auto" lookup prices its hit,
+        the router's on each replica it asks, at whole spans of a few lengths, and each
+        spilled turn end it finds at its point (`_spill_pays`). A cost without a version is
+        asked each time."""
+        cost = self.restore_cost
         version = getattr(cost, "version", None)
         if version is None:
-            return choose_restore(num_spans * span, num_checkpointed * span, self.spec.replay_len, cost)
+            return choose_restore(hit_len, checkpoint_len, self.spec.replay_len, cost)
         if version != self._choices_version or len(self._choices) >= MAX_RESTORE_CHOICES:
             self._choices.clear()
             self._choices_version = version
-        key = (num_spans, num_checkpointed)
+        key = (hit_len, checkpoint_len)
         choice = self._choices.get(key)
         if choice is None:
-            choice = self._choices[key] = choose_restore(
-                num_spans * span, num_checkpointed * span, self.spec.replay_len, cost
-            )
+            choice = self._choices[key] = choose_restore(hit_len, checkpoint_len, self.spec.replay_len, cost)
         return choice
 
     def upper_bound(self, hits: DualPoolHits) -> int:
@@ -543,7 +543,7 @@ class DualPoolGroup(CacheGroup):
                 if q == len(hits.block_ids):
                     method = hits.method
                 elif self.spec.restore == "auto" and ckpt is not None:
-                    method = choose_restore(point, point, self.spec.replay_len, self.restore_cost).method
+                    method = self._restore_choice(point, point).method
                 else:  # (restoring by checkpoint, a swapped state's boundary may have none: a replay there)
                     method = "checkpoint" if self.spec.restore == "checkpoint" and ckpt is not None else "recompute"
                 if method == "checkpoint":
