@@ -11,16 +11,12 @@ of its computed units, each chained from the one before it or from an equal copy
 from __future__ import annotations
 
 import json
-import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, count
 
 from kvpool.cache.types import LookupPrompt, MMItem
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
-
-_HASH = operator.attrgetter("block_hash")
 
 
 def mm_extra_key(mm_items: Sequence[MMItem], block_size: int, block_index: int) -> bytes:
@@ -349,11 +345,9 @@ class TurnEnds:
         probed (a prompt's chain has few or none: a lookup costs a set test a unit)."""
         out: dict[int, PrefixBlock] = {}
         listed, unit = self._by_parent, self.unit
-        hashes = list(map(_HASH, parents))
-        if listed.keys().isdisjoint(hashes):  # (the common case, in C: no parent has any listed)
-            return out
-        for k in compress(count(), map(listed.__contains__, hashes)):
-            out.update(self.find(parents[k], k * unit, token_ids, mm_items, limit, packed))
+        for k, parent in enumerate(parents):
+            if parent.block_hash in listed:
+                out.update(self.find(parent, k * unit, token_ids, mm_items, limit, packed))
         return out
 
     def lists_after(self, parent_hash: bytes) -> bool:
