@@ -231,7 +231,7 @@ class DualPoolGroupSpec:
         return max(0, point - self.replay_len)
 
 
-@dataclass
+@dataclass(slots=True)  # (no __dict__: a fleet run holds ~100,000, one a pooled checkpoint or spill)
 class _Checkpoint:
     slot: int  # the state slot a restore copies (pooled: the first of its blocks)
     block: PrefixBlock  # the boundary block whose prefix the snapshot is the state of
