@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -466,7 +467,10 @@ class LlamaExecutor:
             # each sampled chunk's last token (every chunk's in the common step: no mask made then)
             last_rows = ends - 1
             logit_rows = (last_rows if all(needs) else last_rows[np.fromiter(needs, bool, n)]).tolist()
-        flat_ids = np.fromiter(tokens, np.int64, num_tokens)
+        # (struct's conversion of the ids in one C call: ~half np.fromiter's, which packs an
+        # element at a time through numpy's generic path, ~270 instructions an id)
+        flat_ids = np.empty(num_tokens, np.int64)
+        struct.pack_into(f"{num_tokens}q", flat_ids, 0, *tokens)
         held = held and buffers.num_tokens == num_tokens
         if ctx_lens is None:  # (the columns' step: `chunk_ends`, the buffers' [n] int32 where they hold it)
             ctx_lens = buffers.host_ctx_lens(n) if held else np.fromiter(chunk_ends, np.int64, n)
