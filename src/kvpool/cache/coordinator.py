@@ -1822,7 +1822,7 @@ class HybridCacheManager:
                     req.num_computed = nc
                     if not nc % period:
                         changed.append(req)
-                    if next_token_id is not None and not req.shared:
+                    if not req.shared and next_token_id is not None:  # (a shared list holds it already)
                         req.token_ids.append(next_token_id)
                     i += 1
         except (OverflowError, TypeError):  # an id the array cannot hold: undone, the twin names it
@@ -1908,7 +1908,7 @@ class HybridCacheManager:
                     # a one-token commit off the period of a request not fresh changes no group (`commit_period`)
                     if n != 1 or not nc % period or (ask_fresh and req.request_id in fresh):
                         changed.append(req)
-                if next_token_id is not None and not req.shared:
+                if not req.shared and next_token_id is not None:  # (a shared list holds it already)
                     req.token_ids.append(next_token_id)
         except (OverflowError, TypeError):  # an id the array cannot hold: undone, the twin names it
             if i < k:  # (in the memo's rows: `req` is the one at fault, the rows are distinct)
