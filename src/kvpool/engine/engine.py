@@ -389,9 +389,11 @@ class Engine:
         self.byte_fallback = dict(byte_fallback) if byte_fallback else None
         # a byte token of an ASCII letter: put before a window, it joins a byte run without
         # changing its validity, and keeps the decoder's first-space strip off the window
-        self._plain_byte = next(
-            (i for b in range(0x41, 0x7B) for i, v in (self.byte_fallback or {}).items() if v == b), None
-        )
+        self._plain_byte = None
+        if self.byte_fallback:
+            from kvpool.models.tokenizer import ascii_letter_byte  # (as decode_context: not the simulator's)
+
+            self._plain_byte = ascii_letter_byte(self.byte_fallback)
         self.record_logits = record_logits
         self.clock = clock
         self.sampler = sampler
