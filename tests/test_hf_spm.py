@@ -622,6 +622,40 @@ def test_an_added_token_tokenizer_json_lacks_is_added_as_transformers_adds_it(tm
     assert size in tok.encode("a <other0> b")  # (the premise: the new token is one id)
 
 
+@pytest.mark.parametrize("special", [False, None, True])
+def test_an_added_tokens_decoder_entry_of_a_byte_piece_keeps_it_a_byte(tmp_path, special):
+    """An added_tokens_decoder entry naming a byte piece at its id ({"13": {"content":
+    "<0x0A>"}}) makes it an added token, in transformers as here, and the ByteFallback decoder
+    still reads it as its byte: AutoTokenizer decodes id 13 as '\n'. It was left out of the byte
+    map, so its logprobs token read '<0x0A>' and the text offsets ran past the text (19 in 11
+    characters). A special one is skipped, as transformers skips it: no byte."""
+    path = tmp_path / "t"
+    save_spm_tokenizer(path)
+    plain = load_hf_tokenizer(path).byte_fallback
+    newline = next(i for i, b in plain.items() if b == 0x0A)
+    entry = {"content": f"<0x{0x0A:02X}>", **({} if special is None else {"special": special})}
+    save_spm_tokenizer(path, added_tokens_decoder={str(newline): entry})
+    ref, tok = _reference(path), load_hf_tokenizer(path)
+    assert newline in tok.tokenizer.get_added_tokens_decoder()  # (the premise: an added token now)
+    text = "Hi\n\u00e9\nthere"
+    ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
+    assert newline in ids and ids == ref(text, add_special_tokens=False).input_ids
+    assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert tok.decode([newline]) == ref.decode([newline], skip_special_tokens=True)
+    tt = token_text(tok)
+    if special:
+        assert tok.byte_fallback == {i: b for i, b in plain.items() if i != newline}
+        assert decoded_bytes(tok)(newline) == b""
+        return
+    assert tok.byte_fallback == plain
+    assert decoded_bytes(tok)(newline) == b"\n"
+    from kvpool.server.protocol import completion_logprobs
+
+    lp = completion_logprobs([(0.0, [])] * len(ids), ids, tt, TextOffsets(tt))
+    assert "".join(lp["tokens"]).lstrip(" ") == text == tok.decode(ids)
+    assert lp["text_offset"][-1] < len(text) and lp["text_offset"] == sorted(lp["text_offset"])
+
+
 @pytest.mark.parametrize(
     "decoder, match",
     [

@@ -452,12 +452,15 @@ def is_byte_fallback_piece(piece: str | None) -> bool:
 
 def byte_fallback_ids(tokenizer: Any) -> dict[int, int] | None:
     """A SentencePiece-style `tokenizers.Tokenizer`'s byte-fallback tokens, id -> byte; None
-    for byte-level BPE (its decoder is ByteLevel). Added tokens are never byte tokens."""
+    for byte-level BPE (its decoder is ByteLevel). Every token spelt "<0xNN>" but a special
+    added one (decode skips it): the ByteFallback decoder reads each token's text, added or
+    not, so a tokenizer_config.json entry naming a byte piece ({"13": {"content": "<0x0A>"}},
+    an added token then) still decodes as its byte ('\n'), in transformers as in tokenizers."""
     if type(tokenizer.decoder).__name__ == "ByteLevel":
         return None
-    added = tokenizer.get_added_tokens_decoder()
+    special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
     size = tokenizer.get_vocab_size(with_added_tokens=True)
-    pieces = ((i, tokenizer.id_to_token(i)) for i in range(size) if i not in added)
+    pieces = ((i, tokenizer.id_to_token(i)) for i in range(size) if i not in special)
     return {i: int(piece[3:5], 16) for i, piece in pieces if is_byte_fallback_piece(piece)}
 
 
