@@ -855,6 +855,42 @@ def _decode_stream(ref, prompt: list[int], ids: list[int]) -> str:
     return "".join(stream.step(ref.backend_tokenizer, t) or "" for t in ids)
 
 
+def test_an_output_joining_a_prompts_invalid_byte_run_is_all_u_fffd(spm_dir):
+    """review16 #3: a raw-id prompt whose last byte run holds an invalid byte (before a
+    character it leaves open or not) has all its bytes U+FFFD, and so are the output's bytes
+    that join it, in transformers' whole decode (and DecodeStream): the letter context showed
+    them as text ('A lazy dog', '\n lazy dog' where the whole decode gives '\ufffd lazy dog').
+    A byte token no UTF-8 text starts with (<0x80>) is the context now: the engine's text and
+    the stream give the output's part of the whole decode."""
+    from kvpool.server.protocol import completion_logprobs
+
+    tok, ref = load_hf_tokenizer(spm_dir), _reference(spm_dir)
+    tb, tt = decoded_bytes(tok), token_text(tok)
+    prompt = tok.encode("The quick brown fox jumps over the")
+    out = tok.tokenizer.encode(" lazy dog", add_special_tokens=False).ids
+    b = [3 + x for x in range(256)]  # (byte n's token)
+    assert [tt.text(t) for t in out] == [" lazy", " d", "o", "g"]  # (the premise of the offsets)
+    for end in ([b[0xFF], b[0xC3]], [b[0x80], b[0xE2], b[0x82]], [b[0xFF]], [b[0x80]], [b[0xC3], b[0x41]]):
+        full = [*prompt, *end]
+        assert tb.context(full, len(full)) == ([b[0x80]], 1)
+        for first in ([], [b[0x41]], [b[0x0A]], [b[0x20]], [b[0xA9]], [b[0xC3], b[0xA9]]):
+            ids = [*first, *out]
+            whole = ref.decode([*full, *ids], skip_special_tokens=True)
+            before = ref.decode(full, skip_special_tokens=True)
+            assert whole.startswith(before), (end, first)
+            expected = whole[len(before) :]  # (the output's part of the whole decode)
+            assert expected == "\ufffd" * len(first) + " lazy dog" == tok.decode([*full, *ids])[len(before) :]
+            if first == [b[0x41]] and end == [b[0xFF]]:  # (the engine: a model's steps, so once)
+                assert _run_stop(tok, ids, ("\x00",), full) == (len(ids), expected, "length"), end
+            stream = TextStream(tok.decode, tb).start_after(*tb.context(full, len(full)))
+            shown = "".join(stream.advance([t], None) for t in ids) + stream.advance([], "abort")
+            assert shown == expected, (end, first, shown)
+            # logprobs' text_offset (serve passes the cut byte): each piece where the text has it
+            lp = completion_logprobs([(0.0, [])] * len(ids), ids, tt, TextOffsets(tt, True, b"", b"\x80"))
+            offsets = lp["text_offset"]
+            assert offsets[len(first) :] == [expected.index(" lazy"), *(expected.index(" lazy") + o for o in (5, 7, 8))]
+
+
 def test_a_character_the_prompt_leaves_open_is_the_completions(spm_dir):
     """A raw-id prompt that ends inside a UTF-8 character (the first byte token of 'é' in a
     byte-fallback vocabulary) got no decode context: its output was decoded alone, "lazy dog"
@@ -863,8 +899,7 @@ def test_a_character_the_prompt_leaves_open_is_the_completions(spm_dir):
     detokenizer shows it (tokenizers' DecodeStream primed with the prompt): 'é' where the
     output's bytes complete it, U+FFFD where they do not; the engine's text, the stream and
     logprobs' text_offset alike. A prompt whose run holds an invalid byte before the open
-    character keeps the ASCII letter context (all the run's bytes are U+FFFD whatever follows:
-    the output's part of the whole decode, where DecodeStream shows the prompt's bytes too)."""
+    character: test_an_output_joining_a_prompts_invalid_byte_run_is_all_u_fffd."""
     from kvpool.server.protocol import TextOffsets, completion_logprobs
 
     tok, ref = load_hf_tokenizer(spm_dir), _reference(spm_dir)
@@ -897,13 +932,6 @@ def test_a_character_the_prompt_leaves_open_is_the_completions(spm_dir):
         pieces = [(o, t) for o, t, i in zip(offsets, lp["tokens"], ids, strict=True) if i not in tb.byte_tokens]
         assert all(expected[o:].startswith(t) for o, t in pieces), (offsets, lp["tokens"])
         assert all(o == 0 for o in offsets[: len(first)]) or "\ufffd\ufffd" in expected, offsets
-    # the run holds an invalid byte before the open character: the letter alone, as before
-    for end in ([b[0xFF], b[0xC3]], [b[0x80], b[0xE2], b[0x82]]):
-        full = [*prompt, *end]
-        assert tb.context(full, len(full)) == ([b[ord("A")]], 1)
-        assert _run_stop(tok, out, ("\x00",), full) == (len(out), " lazy dog", "length")
-        whole, before = tok.decode([*full, *out]), tok.decode(full)
-        assert whole == before + " lazy dog"  # (the output's part of the whole decode)
     # a prompt ending in a whole character's byte ("\n": the letter is the context) and an output
     # whose first byte turns the letter's run invalid: the stream showed nothing, token after
     # token, until the sample's end (the window no longer began with the letter's text)

@@ -464,6 +464,10 @@ def byte_fallback_ids(tokenizer: Any) -> dict[int, int] | None:
     return {i: int(piece[3:5], 16) for i, piece in pieces if is_byte_fallback_piece(piece)}
 
 
+# bytes no valid UTF-8 text starts with (continuation bytes, 0xC0-0xC1, 0xF5-0xFF): a run they begin
+# is invalid whatever follows
+_NEVER_FIRST = frozenset([*range(0x80, 0xC2), *range(0xF5, 0x100)])
+
 # the prompt's last tokens of text a SentencePiece-style output is decoded after (decode_context)
 PROMPT_CONTEXT_TOKENS = 4
 
@@ -511,9 +515,11 @@ def decode_context(
     leaves the run valid or not as it was, and is one character either way. Where the run ends
     inside a character (a raw-id prompt cut after the first byte of 'é'), its bytes follow the
     letter, not cut: the character is the output's, as vLLM's detokenizer (tokenizers'
-    DecodeStream primed with the prompt) shows it, completed ('é') or not (U+FFFD); where the
-    run holds an invalid byte before it (all its bytes U+FFFD, whatever follows), the letter
-    alone."""
+    DecodeStream primed with the prompt) shows it, completed ('é') or not (U+FFFD). Where the
+    run holds an invalid byte (before a character it leaves open or not), all its bytes are
+    U+FFFD, and so are the output's bytes that join it (transformers' whole decode and
+    DecodeStream alike): a byte token no UTF-8 text starts with (<0x80>), cut, in place of
+    the letter (one U+FFFD; the letter where the vocabulary has none)."""
     if byte_fallback is None:
         return [], 0
     context: list[int] = []
@@ -529,24 +535,24 @@ def decode_context(
         if letter is None:
             return [], 0
         # the run's bytes, last first (a skipped token between two bytes: they join), and where
-        # each is: its last 3 tell whether a character is open; then all of it, whether valid
+        # each is; then whether it is valid UTF-8 before a character its last 3 bytes leave open
         run, at = bytearray(), []
         j = i
-        while j >= 0 and (token_ids[j] in byte_fallback or token_ids[j] in textless) and len(run) < 3:
+        while j >= 0 and (token_ids[j] in byte_fallback or token_ids[j] in textless):
             if token_ids[j] in byte_fallback:
                 run.append(byte_fallback[token_ids[j]])
                 at.append(j)
             j -= 1
-        open_bytes = incomplete_tail(bytes(run[::-1]))
-        if not open_bytes:
-            return [letter], 1
-        while j >= 0 and (token_ids[j] in byte_fallback or token_ids[j] in textless):
-            if token_ids[j] in byte_fallback:
-                run.append(byte_fallback[token_ids[j]])
-            j -= 1
+        data = bytes(run[::-1])
+        open_bytes = incomplete_tail(data)
         try:
-            bytes(run[open_bytes:][::-1]).decode()
+            data[: len(data) - open_bytes].decode()
         except UnicodeDecodeError:
+            # all the run's bytes are U+FFFD, the output's joining it too: a byte that is
+            # never valid UTF-8 keeps it so (itself one U+FFFD, cut)
+            bad = next((t for t, b in byte_fallback.items() if b in _NEVER_FIRST), None)
+            return [letter if bad is None else bad], 1
+        if not open_bytes:
             return [letter], 1
         return [letter, *token_ids[at[open_bytes - 1] : i + 1]], 1
     return context[::-1], len(context)

@@ -449,6 +449,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             body.include_usage,
             bool(context),
             b"".join(token_bytes(t) for t in context[num_cut:]) if context_of is not None else b"",
+            token_bytes(context[num_cut - 1]) if num_cut and context[num_cut - 1] in token_bytes.byte_tokens else b"",
         )
         if body.stream:
             return StreamingResponse(
@@ -490,12 +491,14 @@ class _Shape:
         include_usage: bool = False,
         after_prompt: bool = False,
         carried: bytes = b"",
+        cut: bytes = b"",
     ) -> None:
         self.id, self.model, self.chat, self.tt, self.logprobs = request_id, model, chat, token_text, logprobs
         # the samples' text is decoded after the prompt's last tokens (TokenBytes.context):
         # the decoder's first-space strip does not apply to it; `carried`: the bytes of a
-        # character the prompt leaves open, the samples' text's first
-        self.after_prompt, self.carried = after_prompt, carried
+        # character the prompt leaves open, the samples' text's first; `cut`: the byte of the
+        # cut context token that run starts with (TextOffsets)
+        self.after_prompt, self.carried, self.cut = after_prompt, carried, cut
         self.include_usage = include_usage
         self.created = protocol.now()
         self.object = "chat.completion" if chat else "text_completion"
@@ -508,7 +511,9 @@ class _Shape:
             return protocol.chat_logprobs(delta.logprobs, delta.token_ids, self.tt)
         offsets = self.text_offsets.get(delta.index)
         if offsets is None:
-            offsets = self.text_offsets[delta.index] = protocol.TextOffsets(self.tt, self.after_prompt, self.carried)
+            offsets = self.text_offsets[delta.index] = protocol.TextOffsets(
+                self.tt, self.after_prompt, self.carried, self.cut
+            )
         return protocol.completion_logprobs(delta.logprobs, delta.token_ids, self.tt, offsets)
 
     def chunk(self, delta: Delta, first: bool) -> dict[str, Any]:

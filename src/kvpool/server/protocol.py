@@ -518,16 +518,19 @@ class TextOffsets:
     ByteFallback decoder's rule), so a later byte may still change the run's text: the offsets
     given are those of the text so far, as a stream can know them."""
 
-    def __init__(self, tt: TokenText, after_prompt: bool = False, carried: bytes = b"") -> None:
+    def __init__(self, tt: TokenText, after_prompt: bool = False, carried: bytes = b"", cut: bytes = b"") -> None:
         self.tt = tt
         # the first space is stripped where the decoder strips it and the text was decoded
         # alone, not after the prompt's last tokens (models/tokenizer.py decode_context)
         self.strips = tt.strips_first_space and not after_prompt
-        self.chars = 0  # characters of the text before `pending` (the first space not yet stripped)
+        # characters of the text before `pending` (the first space not yet stripped); `cut`: the
+        # byte of a cut context token the run starts with (decode_context's ASCII letter or
+        # never-valid byte: one character, valid run or not), not the text's
+        self.chars = -len(cut)
         self.first = ""  # the text's first character, once there is one
         # byte-level: an incomplete character's bytes; SentencePiece: the byte-fallback run, from
-        # `carried` on (a character the prompt leaves open: the text's first, decode_context)
-        self.pending = carried
+        # `cut` and `carried` on (a character the prompt leaves open: the text's first, decode_context)
+        self.pending = cut + carried
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def _run_text(self, run: bytes) -> str:
