@@ -546,6 +546,19 @@ def test_an_absent_num_key_value_heads_takes_the_familys_default(preset: str, fa
             from_hf_config(null)
 
 
+def test_a_default_kv_heads_that_does_not_divide_the_heads_is_named_as_the_default() -> None:
+    """review16 #11: a qwen2 config of 4 heads without num_key_value_heads (Qwen2Config's 32) was
+    refused naming num_key_value_heads=32, a value the file does not hold; it says whose default."""
+    cfg = {k: v for k, v in load_preset_config("qwen3-32b").items() if k != "num_key_value_heads"}
+    cfg |= {"model_type": "qwen2", "num_attention_heads": 4}
+    with pytest.raises(
+        ValueError, match=r"not a multiple of num_key_value_heads=32 \(qwen2's default: the file has no"
+    ):
+        from_hf_config(cfg)
+    with pytest.raises(ValueError, match=r"not a multiple of num_key_value_heads=3$"):
+        from_hf_config(cfg | {"num_key_value_heads": 3})
+
+
 def test_plan_refuses_a_null_head_dim_in_one_line(tmp_path, capsys) -> None:
     """`kvpool plan --model config.json` with Qwen3's head_dim null: it planned with 128,
     while transformers and the engine (hf_config) refuse the file."""

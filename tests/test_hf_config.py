@@ -96,6 +96,24 @@ def test_a_directory_and_defaults(tmp_path):
     assert hf.config.rope_freq_divisors is None
 
 
+def test_a_default_kv_heads_that_does_not_divide_the_heads_is_named_as_the_default(tmp_path):
+    """review16 #11: a qwen2 config.json of 4 heads without num_key_value_heads is refused (transformers
+    builds Qwen2Config's 32 KV heads) with "not a multiple of num_key_value_heads 32", a value the
+    file does not hold; the message says it is the family's default."""
+    raw = {k: v for k, v in RAW.items() if k != "num_key_value_heads"} | {"model_type": "qwen2"}
+    assert transformers.Qwen2Config(num_attention_heads=raw["num_attention_heads"]).num_key_value_heads == 32
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json: num_attention_heads 4 is not a multiple of num_key_value_heads 32 "
+        r"\(qwen2's default: the file has no num_key_value_heads\)$",
+    ):
+        llama_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"num_key_value_heads": 3}))
+    with pytest.raises(ValueError, match=r"not a multiple of num_key_value_heads 3$"):
+        llama_config(tmp_path)
+
+
 LLAMA3 = LLAMA3_SCALING
 
 

@@ -104,8 +104,12 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
     else:
         num_kv_heads = positive("num_key_value_heads", KV_HEADS_DEFAULTS.get(model_type, num_heads))
     if num_heads % num_kv_heads:
+        # (a default the file does not hold: it says whose)
+        default = (
+            "" if "num_key_value_heads" in raw else f" ({model_type}'s default: the file has no num_key_value_heads)"
+        )
         raise ValueError(
-            f"{where}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+            f"{where}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}{default}"
         )
     head_dim = raw.get("head_dim")
     if model_type in HEAD_DIM_DEFAULTS:  # (null too is refused: transformers' attention cannot size its heads)

@@ -560,6 +560,11 @@ def _parse_gqa(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
     kv_heads = _positive(cfg, "num_key_value_heads", model_type, default=KV_HEADS_DEFAULTS.get(model_type, heads))
     if "num_key_value_heads" in cfg and cfg["num_key_value_heads"] is None:
         kv_heads = heads
+    if "num_key_value_heads" not in cfg and heads % kv_heads:  # (ModelSpec's message would not say whose)
+        raise ValueError(
+            f"{model_type} config: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads} "
+            f"({model_type}'s default: the file has no num_key_value_heads)"
+        )
     # absent: transformers' own default, which for these families is a constant, not
     # hidden / heads (Qwen3-32B: 5120 / 64 = 80 for its 128)
     if model_type in HEAD_DIM_DEFAULTS and "head_dim" in cfg and cfg["head_dim"] is None:
