@@ -166,3 +166,23 @@ def test_tiny_dsv4_reports_finish_reason_timings_and_checks_the_context(capsys):
     assert capsys.readouterr().err == (
         "kvpool generate: error: tiny-dsv4 has no tokenizer or chat template: pass --no-chat and token ids\n"
     )
+
+
+def test_generate_seed_takes_what_sampling_params_takes(capsys):
+    """review16 #6: `generate --seed -1` exited 2 while SamplingParams, serve's `seed` and LLM
+    take -1 as a fixed seed. One rule now: a 64-bit signed integer, every value a seed (the
+    parser's range is SamplingParams' own, at both ends and around 0)."""
+    from kvpool.cli.main import build_parser
+    from kvpool.engine.sampling import SEED_MAX, SEED_MIN, SamplingParams
+
+    parser = build_parser()
+    for seed in (SEED_MIN, -1, 0, SEED_MAX):
+        assert parser.parse_args(["generate", "hi", "--seed", str(seed)]).seed == seed
+        assert SamplingParams(seed=seed).seed == seed
+    for seed in (SEED_MIN - 1, SEED_MAX + 1):
+        with pytest.raises(ValueError, match="seed must be a 64-bit signed integer"):
+            SamplingParams(seed=seed)
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(["generate", "hi", "--seed", str(seed)])
+        assert exit_info.value.code == 2
+        assert "argument --seed: expected a 64-bit signed integer" in capsys.readouterr().err

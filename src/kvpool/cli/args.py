@@ -65,10 +65,18 @@ def non_negative_int(text: str) -> int:
 
 
 def seed_int(text: str) -> int:
-    """A seed: an int in [0, 2**63), what `kvpool run`'s workload, arrivals and
-    `SamplingParams` take (a larger one read "Overflow when unpacking long long", naming no
-    flag)."""
+    """`kvpool run`'s --seed: an int in [0, 2**63), what its workload and arrivals take (a larger
+    one read "Overflow when unpacking long long", naming no flag). A request's own sampling
+    seed is request_seed_int."""
     return parsed_number(text, int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
+
+
+def request_seed_int(text: str) -> int:
+    """A request's sampling seed (`generate --seed`): a 64-bit signed integer, [-2**63, 2**63),
+    what `SamplingParams(seed=)`, serve's `seed` and `LLM` take (engine/sampling.py SEED_MIN,
+    SEED_MAX: OpenAI's and vLLM's API range), every value a fixed seed, -1 too (not llama.cpp's
+    or vLLM's "-1 = random": one rule for every entry point)."""
+    return parsed_number(text, int, lambda v: -(2**63) <= v < 2**63, "a 64-bit signed integer, in [-2**63, 2**63)")
 
 
 def torch_seed_int(text: str) -> int:

@@ -20,7 +20,7 @@ from kvpool.cli.args import (
     model_placement,
     non_negative_int,
     positive_int,
-    seed_int,
+    request_seed_int,
 )
 from kvpool.cli.options import (
     BLOCK_SIZE,
@@ -63,10 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, in (0, 1]")
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="keep the k most likely tokens; 0 = off")
-    # [0, 2**63), as run's: -1 was taken as a seed like any other (llama.cpp's "-1 = random" drew the same
-    # tokens every time), 2**63 refused after the model loaded in words that named no flag
+    # a 64-bit signed integer, as SamplingParams, serve's seed and LLM take it (-1 was refused here
+    # alone); 2**63 was refused after the model loaded in words that named no flag
     parser.add_argument(
-        "--seed", type=seed_int, default=0, help="the request's sampling seed: the same seed draws the same tokens"
+        "--seed",
+        type=request_seed_int,
+        default=0,
+        help="the request's sampling seed, a 64-bit signed integer: the same seed draws the same tokens "
+        "(-1 too: a seed like any other, not 'random')",
     )
     add_option(parser, BLOCK_SIZE, default=GENERATE_BLOCK_SIZE)
     parser.add_argument(
