@@ -656,12 +656,26 @@ def test_an_added_tokens_decoder_entry_of_a_byte_piece_keeps_it_a_byte(tmp_path,
     assert lp["text_offset"][-1] < len(text) and lp["text_offset"] == sorted(lp["text_offset"])
 
 
+@pytest.mark.parametrize("key", [" 7", "+7", "-1", "7 "])
+def test_an_added_tokens_decoder_key_is_read_as_transformers_int_reads_it(tmp_path, key):
+    """review16 #8: keys " 7", "+7", "-1" were refused as no token id where transformers 5.25
+    takes int(key) of them (an entry of a new text is added at the next id whatever its key)."""
+    path = tmp_path / "t"
+    save_spm_tokenizer(path, added_tokens_decoder={key: {"content": "<y>", "special": True}})
+    ref, tok = _reference(path), load_hf_tokenizer(path)
+    assert tok.tokenizer.token_to_id("<y>") == ref.convert_tokens_to_ids("<y>") is not None
+    assert tok.encode("a <y> b") == ref("a <y> b").input_ids
+    assert tok.decode(tok.encode("a <y> b")) == ref.decode(ref("a <y> b").input_ids, skip_special_tokens=True)
+
+
 @pytest.mark.parametrize(
     "decoder, match",
     [
         ([], r"added_tokens_decoder is \[\], not an object"),
         ({"1": "<s>"}, r"added_tokens_decoder\['1'\] is no object with a text 'content'"),
         ({"x": {"content": "<s>"}}, r"added_tokens_decoder key 'x' is not a token id"),  # (transformers: int('x'))
+        # isdigit() passed it, then int() raised naming no file (transformers: int() refuses it too)
+        ({"\u00b2": {"content": "<s>"}}, r"added_tokens_decoder key '\u00b2' is not a token id"),
         (
             {"1": {"content": "<s>", "lstrip": "yes"}},
             r"added_tokens_decoder\['1'\]\.lstrip is 'yes', not true or false",

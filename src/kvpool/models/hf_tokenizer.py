@@ -250,14 +250,16 @@ def _added_tokens(path: Path, config: dict[str, Any], tokenizer: Tokenizer) -> N
         raise ValueError(f"{path}: added_tokens_decoder is {json.dumps(entries)[:40]}, not an object of id: token")
     ordered = []
     for key, entry in entries.items():
-        if not key.isdigit():  # (transformers: "invalid literal for int()")
-            raise ValueError(f"{path}: added_tokens_decoder key {key!r} is not a token id")
+        try:  # (transformers takes int(key): " 7", "+7", "-1" too; the id of a text new to the vocabulary is not used)
+            number = int(key)
+        except ValueError:  # (transformers: "invalid literal for int()", naming no file)
+            raise ValueError(f"{path}: added_tokens_decoder key {key!r} is not a token id") from None
         if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
             raise ValueError(f"{path}: added_tokens_decoder[{key!r}] is no object with a text 'content'")
         for flag in _ADDED_TOKEN_FLAGS:
             if flag in entry and not isinstance(entry[flag], bool):
                 raise ValueError(f"{path}: added_tokens_decoder[{key!r}].{flag} is {entry[flag]!r}, not true or false")
-        ordered.append((int(key), entry))
+        ordered.append((number, entry))
     for _, entry in sorted(ordered, key=lambda item: item[0]):
         token = next((t for t in tokenizer.get_added_tokens_decoder().values() if t.content == entry["content"]), None)
         if token is None:  # (the library's defaults for the flags it leaves out, as transformers)
