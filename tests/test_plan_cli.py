@@ -129,6 +129,19 @@ def test_plot_path_problems_are_one_line_errors(
     assert not target.exists()
 
 
+def test_a_bad_plot_path_is_named_before_the_model_is_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """review16 #10 (c3a255f): the --plot path is checked before the model's config is read, so
+    one run names the path the figure cannot be written to, not only the model that was missing
+    (it read "config file '/nonexistent.json' does not exist" first, then failed on --plot)."""
+    missing = tmp_path / "nonexistent.json"
+    target = tmp_path / "nope" / "x.png"
+    assert main(["plan", "--config", str(missing), "--plot", str(target)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"kvpool plan: error: --plot {target}: the directory {target.parent} does not exist\n"
+    assert main(["plan", "--config", str(missing)]) == 2  # (the premise: the config alone is refused)
+    assert "nonexistent.json" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["", " "])
 def test_an_empty_plot_path_is_refused_not_dropped(capsys: pytest.CaptureFixture[str], value: str) -> None:
     """`--plot "$OUT"` with OUT unset: plan read "" as no --plot and printed the plan without
