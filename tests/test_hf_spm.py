@@ -905,6 +905,40 @@ def test_an_output_joining_a_prompts_invalid_byte_run_is_all_u_fffd(spm_dir):
             assert offsets[len(first) :] == [expected.index(" lazy"), *(expected.index(" lazy") + o for o in (5, 7, 8))]
 
 
+def test_decode_context_stops_its_walk_at_an_invalid_byte_near_the_runs_end(spm_dir):
+    """review16 #9: decode_context walked a prompt's whole byte run (a 120,001-token run ending
+    open: 38 ms a call, up to 3 times a request plus once a sample). An invalid byte now ends
+    the walk within twice its distance from the run's end; the context is the same as the
+    whole walk's (decided on the whole run, where it is valid)."""
+    from kvpool.models.tokenizer import decode_context
+
+    tok = load_hf_tokenizer(spm_dir)
+    tb = decoded_bytes(tok)
+    b = [3 + x for x in range(256)]
+
+    class Counted(list):
+        reads = 0
+
+        def __getitem__(self, index):
+            Counted.reads += 1
+            return super().__getitem__(index)
+
+    prompt = tok.encode("over the")
+    for tail, expected in (
+        ([b[0x41]] * 100_000 + [b[0xFF]] + [b[0x41]] * 10 + [b[0xC3]], [b[0x80]]),  # invalid: bounded
+        ([b[0x41]] * 50 + [b[0xFF]] + [b[0x41]] * 10, [b[0x80]]),
+        ([b[0xFF]] + [b[0x41]] * 3000 + [b[0xC3]], [b[0x80]]),  # (found only at the run's start)
+        ([b[0x41]] * 3000 + [b[0xC3]], [b[0x41], b[0xC3]]),  # valid, open
+        ([b[0x80]] + [b[0x41]] * 200, [b[0x80]]),  # a continuation byte at the start
+    ):
+        ids = Counted([*prompt, *tail])
+        Counted.reads = 0
+        context = decode_context(ids, len(ids), tb.byte_tokens, tb.skipped, tb.letter)
+        assert context == (expected, 1), (len(tail), context)
+        if len(tail) > 100_000:
+            assert Counted.reads < 1_000, Counted.reads
+
+
 def test_a_character_the_prompt_leaves_open_is_the_completions(spm_dir):
     """A raw-id prompt that ends inside a UTF-8 character (the first byte token of 'é' in a
     byte-fallback vocabulary) got no decode context: its output was decoded alone, "lazy dog"

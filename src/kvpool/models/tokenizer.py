@@ -482,6 +482,21 @@ def incomplete_tail(data: bytes) -> int:
     return len(decoder.getstate()[0])
 
 
+def _valid_before_open(run: bytearray, whole: bool) -> bool:
+    """Whether a byte run (its bytes last first) is valid UTF-8 before a character its last
+    bytes leave open; `whole` False: its part from its first character start on (a byte no
+    continuation: in a valid run one starts a character), so False says the whole run is
+    invalid, True nothing yet."""
+    data = bytes(run[::-1])
+    if not whole:
+        data = data[next((k for k, b in enumerate(data) if b & 0xC0 != 0x80), len(data)) :]
+    try:
+        data[: len(data) - incomplete_tail(data)].decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def ascii_letter_byte(byte_fallback: Mapping[int, int] | None) -> int | None:
     """The byte-fallback token of the lowest ASCII letter ("<0x41>", 'A'; None: none). Put
     before a byte run it keeps the run's validity (one ASCII byte, one character whether the
@@ -536,18 +551,26 @@ def decode_context(
             return [], 0
         # the run's bytes, last first (a skipped token between two bytes: they join), and where
         # each is; then whether it is valid UTF-8 before a character its last 3 bytes leave open
+        # (checked at 64, 256, 1024, ... bytes too: an invalid byte ends the walk within 4 times its
+        # distance from the end, where a walk of a 120,001-token run took 38 ms)
         run, at = bytearray(), []
-        j = i
-        while j >= 0 and (token_ids[j] in byte_fallback or token_ids[j] in textless):
+        j, check, valid = i, 64, True
+        while j >= 0 and (token_ids[j] in byte_fallback or token_ids[j] in textless) and len(run) < 3:
             if token_ids[j] in byte_fallback:
                 run.append(byte_fallback[token_ids[j]])
                 at.append(j)
             j -= 1
-        data = bytes(run[::-1])
-        open_bytes = incomplete_tail(data)
-        try:
-            data[: len(data) - open_bytes].decode()
-        except UnicodeDecodeError:
+        while j >= 0 and ((token := token_ids[j]) in byte_fallback or token in textless):
+            if token in byte_fallback:
+                run.append(byte_fallback[token])
+                if len(run) == check:
+                    check *= 4
+                    if not _valid_before_open(run, whole=False):
+                        valid = False
+                        break
+            j -= 1
+        open_bytes = incomplete_tail(bytes(run[2::-1]))
+        if not (valid and _valid_before_open(run, whole=True)):
             # all the run's bytes are U+FFFD, the output's joining it too: a byte that is
             # never valid UTF-8 keeps it so (itself one U+FFFD, cut)
             bad = next((t for t, b in byte_fallback.items() if b in _NEVER_FIRST), None)
