@@ -939,6 +939,25 @@ def test_decode_context_stops_its_walk_at_an_invalid_byte_near_the_runs_end(spm_
             assert Counted.reads < 1_000, Counted.reads
 
 
+def test_an_open_character_the_output_does_not_complete_is_in_no_logprobs_token(spm_dir):
+    """review16 #4, docs/engine.md's example: after a prompt ending <0xC3>, "▁lazy ▁d o g" is the
+    text "\ufffd lazy dog" (the prompt's open character, uncompleted, is the output's), and the
+    logprobs' tokens join to " lazy dog" (no output token carries the U+FFFD); their
+    text_offset index the text all the same."""
+    from kvpool.server.protocol import TextOffsets, completion_logprobs
+
+    tok = load_hf_tokenizer(spm_dir)
+    tb, tt = decoded_bytes(tok), token_text(tok)
+    prompt = [*tok.encode("The quick brown fox jumps over the"), 3 + 0xC3]
+    out = tok.tokenizer.encode(" lazy dog", add_special_tokens=False).ids
+    context, cut = tb.context(prompt, len(prompt))
+    stream = TextStream(tok.decode, tb).start_after(context, cut)
+    assert "".join(stream.advance([t], None) for t in out) + stream.advance([], "abort") == "\ufffd lazy dog"
+    carried = b"".join(tb(t) for t in context[cut:])
+    lp = completion_logprobs([(0.0, [])] * len(out), out, tt, TextOffsets(tt, True, carried))
+    assert (lp["tokens"], lp["text_offset"]) == ([" lazy", " d", "o", "g"], [1, 6, 8, 9])
+
+
 def test_a_character_the_prompt_leaves_open_is_the_completions(spm_dir):
     """A raw-id prompt that ends inside a UTF-8 character (the first byte token of 'é' in a
     byte-fallback vocabulary) got no decode context: its output was decoded alone, "lazy dog"
