@@ -656,6 +656,39 @@ def test_an_added_tokens_decoder_entry_of_a_byte_piece_keeps_it_a_byte(tmp_path,
     assert lp["text_offset"][-1] < len(text) and lp["text_offset"] == sorted(lp["text_offset"])
 
 
+@pytest.mark.parametrize("at_its_id", [True, False])
+def test_special_false_on_a_token_the_library_keeps_special_leaves_it_skipped(tmp_path, at_its_id):
+    """review16 #5: tokenizer_config.json {"<id>": {"content": "<|im_start|>", "special": false}}
+    (at its id or another) leaves tokenizers' flag false while its decode still skips the token
+    (transformers' too: "a  b"); kvpool read the flag, so TokenBytes gave it bytes and logprobs
+    a text the decode lacks. The skipped set is what the decode skips now; a new non-special
+    token (" x", its decode a space) is text still."""
+    from hf_tiny import save_tokenizer
+    from kvpool.models.tokenizer import skipped_ids
+
+    path = tmp_path / "t"
+    save_tokenizer(path)
+    spec = json.loads((path / "tokenizer.json").read_text())
+    start = next(a["id"] for a in spec["added_tokens"] if a["content"] == "<|im_start|>")
+    size = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {
+        str(start if at_its_id else 5): {"content": "<|im_start|>", "special": False},
+        str(size): {"content": " x", "special": False},
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    ref, tok = _reference(path), load_hf_tokenizer(path)
+    ids = tok.tokenizer.encode("a <|im_start|> b x", add_special_tokens=False).ids
+    assert start in ids and size in ids and ids == ref("a <|im_start|> b x", add_special_tokens=False).input_ids
+    assert tok.tokenizer.get_added_tokens_decoder()[start].special is False  # (the premise: the flag)
+    text = ref.decode(ids, skip_special_tokens=True)
+    assert tok.decode(ids) == text and "<|im_start|>" not in text
+    assert start in skipped_ids(tok.tokenizer) and size not in skipped_ids(tok.tokenizer)
+    tb = decoded_bytes(tok)
+    assert b"".join(tb(t) for t in ids).decode() == text
+    assert start in token_text(tok).skipped
+
+
 @pytest.mark.parametrize("key", [" 7", "+7", "-1", "7 "])
 def test_an_added_tokens_decoder_key_is_read_as_transformers_int_reads_it(tmp_path, key):
     """review16 #8: keys " 7", "+7", "-1" were refused as no token id where transformers 5.25

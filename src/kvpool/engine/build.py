@@ -36,7 +36,7 @@ from kvpool.models.llama import LlamaModel
 from kvpool.models.rope import rope_id
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.models.tiny_hybrid import TinyHybrid
-from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer, check_tokenizer_kind
+from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer, check_tokenizer_kind, skipped_ids
 from kvpool.spec.layout import CacheSpec
 from kvpool.storage.dsv4 import DSV4Pools
 from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
@@ -277,7 +277,7 @@ def _llama_engine(loaded: LoadedModel, *, block_size: int = 16, kv_format: str |
         eos_token_ids=sorted(eos),
         decode_text=tok.decode,
         # the special tokens, which tok.decode skips (skip_special_tokens): no text of a stop string
-        textless_ids=[i for i, added in tok.tokenizer.get_added_tokens_decoder().items() if added.special],
+        textless_ids=sorted(skipped_ids(tok.tokenizer)),
         byte_fallback=tok.byte_fallback,  # (SentencePiece-style: stop strings follow byte runs)
         **options,
     )

@@ -450,6 +450,20 @@ def is_byte_fallback_piece(piece: str | None) -> bool:
     return all(c in "0123456789abcdefABCDEF" for c in piece[3:5])
 
 
+def skipped_ids(tokenizer: Any) -> frozenset[int]:
+    """The added tokens a `tokenizers.Tokenizer`'s decode skips (skip_special_tokens): those
+    flagged special, and those the library skips all the same: a tokenizer_config.json entry
+    "special": false on a token tokenizer.json made special leaves the flag false and the
+    token skipped, in its decode as in transformers' ("a <|im_start|> b" decodes as "a  b")."""
+    added = tokenizer.get_added_tokens_decoder()
+    return frozenset(
+        i
+        for i, token in added.items()
+        if token.special
+        or tokenizer.decode([i], skip_special_tokens=True) != tokenizer.decode([i], skip_special_tokens=False)
+    )
+
+
 def byte_fallback_ids(tokenizer: Any) -> dict[int, int] | None:
     """A SentencePiece-style `tokenizers.Tokenizer`'s byte-fallback tokens, id -> byte; None
     for byte-level BPE (its decoder is ByteLevel). Every token spelt "<0xNN>" but a special
@@ -458,7 +472,7 @@ def byte_fallback_ids(tokenizer: Any) -> dict[int, int] | None:
     an added token then) still decodes as its byte ('\n'), in transformers as in tokenizers."""
     if type(tokenizer.decoder).__name__ == "ByteLevel":
         return None
-    special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    special = skipped_ids(tokenizer)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     pieces = ((i, tokenizer.id_to_token(i)) for i in range(size) if i not in special)
     return {i: int(piece[3:5], 16) for i, piece in pieces if is_byte_fallback_piece(piece)}

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints,
 
 from kvpool.engine.engine import RequestOutput
 from kvpool.engine.sampling import MAX_STOP_CHARS, SEED_MAX, SEED_MIN
-from kvpool.models.tokenizer import ascii_letter_byte, incomplete_tail
+from kvpool.models.tokenizer import ascii_letter_byte, incomplete_tail, skipped_ids
 from kvpool.server.text_stream import TokenBytes, fallback_text
 
 if TYPE_CHECKING:
@@ -467,7 +467,7 @@ def token_text(tok: ChatTokenizer) -> TokenText:
     its decoder strips the text's first space, as its loader decided them (ChatTokenizer's
     byte_fallback, strips_first_space: models/tokenizer.py, models/hf_tokenizer.py)."""
     tokenizer = tok.tokenizer
-    skipped = frozenset(i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special)
+    skipped = skipped_ids(tokenizer)
     if tok.byte_fallback is None:
         return TokenText(tokenizer.id_to_token, skipped=skipped)
     return TokenText(tokenizer.id_to_token, frozenset(tok.byte_fallback), skipped, tok.strips_first_space)
