@@ -258,6 +258,50 @@ def test_vllms_sampling_extensions_are_refused_unless_neutral_not_ignored():
                 parse_body(json.dumps({**body, name: value}).encode(), model)
 
 
+def test_vllms_prompt_and_output_extensions_are_refused_unless_neutral_not_ignored():
+    """audit4 F1: vLLM's fields that change the prompt or the answer (a chat's
+    continue_final_message, a custom chat_template, completions' response_format, usage in
+    every chunk...) were unknown fields, ignored: a 200 with another prompt or answer."""
+    from kvpool.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+
+    chat = (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})
+    completion = (CompletionRequest, {"prompt": "hi"})
+    cases = [
+        # (endpoints, field, a value asking for something, the neutral value vLLM defaults to)
+        ([chat], "continue_final_message", True, False),
+        ([chat], "add_generation_prompt", False, True),
+        ([chat], "chat_template", "{{ 'X' }}", None),
+        ([chat], "echo", True, False),
+        ([chat], "documents", [{"title": "a", "text": "b"}], []),
+        ([chat], "add_special_tokens", True, False),
+        ([completion], "add_special_tokens", False, True),
+        ([completion], "response_format", {"type": "json_object"}, {"type": "text"}),
+        ([chat, completion], "return_tokens_as_token_ids", True, False),
+        ([chat, completion], "spaces_between_special_tokens", False, True),
+        ([chat, completion], "structured_outputs", {"choice": ["yes", "no"]}, None),
+        ([chat, completion], "logits_processors", ["some.module.Processor"], []),
+    ]
+    for endpoints, name, asked, neutral in cases:
+        for model, body in endpoints:
+            with pytest.raises(APIError) as caught:
+                parse_body(json.dumps({**body, name: asked}).encode(), model)
+            assert (caught.value.status, caught.value.param) == (400, name), caught.value.message
+            assert caught.value.message.startswith(f"{name}: not supported by kvpool serve"), caught.value.message
+            for value in (neutral, None):  # the neutral value, and null (its default), are served
+                parse_body(json.dumps({**body, name: value}).encode(), model)
+    for model, body in (chat, completion):
+        streamed = {**body, "stream": True}
+        with pytest.raises(APIError) as caught:
+            options = {"include_usage": True, "continuous_usage_stats": True}
+            parse_body(json.dumps({**streamed, "stream_options": options}).encode(), model)
+        param = "stream_options.continuous_usage_stats"
+        assert (caught.value.status, caught.value.param) == (400, param), caught.value.message
+        assert caught.value.message.startswith(f"{param}: not supported by kvpool serve"), caught.value.message
+        for value in (False, None):
+            options = {"include_usage": True, "continuous_usage_stats": value}
+            assert parse_body(json.dumps({**streamed, "stream_options": options}).encode(), model).include_usage
+
+
 def test_an_image_part_in_a_chat_message_is_named_as_such():
     """It was refused as "messages[0].content: Input should be a valid string" (the union's
     first member), which hides that the server takes text parts only."""

@@ -23,7 +23,7 @@ import codecs
 import json
 import time
 from functools import cache
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, ValidationError, model_validator
 
@@ -98,15 +98,45 @@ _VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
+    # (these change the output's text, not the tokens: still another answer than was asked for)
+    "return_tokens_as_token_ids": (False,),
+    "spaces_between_special_tokens": (True,),
+    "structured_outputs": (None,),  # (vLLM's later name for the guided_ fields)
+    "logits_processors": (None, []),
+}
+# each endpoint's own: completions add the tokenizer's special tokens, chat's template holds
+# them; completions' response_format is vLLM's structured output (chat's is checked apart)
+_VLLM_COMPLETION_NEUTRAL = {**_VLLM_NEUTRAL, "add_special_tokens": (True,), "response_format": (None, {"type": "text"})}
+_VLLM_CHAT_NEUTRAL = {
+    **_VLLM_NEUTRAL,
+    "add_special_tokens": (False,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template": (None,),  # (chat_template_kwargs is served)
+    "echo": (False,),
+    "documents": (None, []),
 }
 
 
 class StreamOptions(NullIsDefault):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (not served)
+
+    @model_validator(mode="after")
+    def _check(self) -> StreamOptions:
+        if self.continuous_usage_stats:
+            raise ValueError(
+                "stream_options.continuous_usage_stats: not supported by kvpool serve (only false is accepted; "
+                "include_usage gives the counts in the last chunk)"
+            )
+        return self
 
 
 class SamplingRequest(NullIsDefault):
     """What both endpoints share."""
+
+    # vLLM's extensions this endpoint refuses unless neutral: field -> the values that ask for nothing
+    vllm_neutral: ClassVar[dict[str, tuple[Any, ...]]] = _VLLM_NEUTRAL
 
     model: str | None = None  # None: the served model
     # below 1e-5 the sampler is greedy (engine/sampling.py); a top_p that fp32 rounds to 0
@@ -143,6 +173,10 @@ class SamplingRequest(NullIsDefault):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    return_tokens_as_token_ids: bool = False
+    spaces_between_special_tokens: bool = True
+    structured_outputs: Any = None
+    logits_processors: list[Any] | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingRequest:
@@ -161,7 +195,7 @@ class SamplingRequest(NullIsDefault):
                 raise ValueError(f"{name}: not supported by kvpool serve (only 0 is accepted)")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported by kvpool serve")
-        for name, neutral in _VLLM_NEUTRAL.items():
+        for name, neutral in self.vllm_neutral.items():
             if getattr(self, name) not in neutral:
                 accepted = " or ".join(json.dumps(v) for v in neutral)
                 raise ValueError(f"{name}: not supported by kvpool serve (only {accepted} is accepted)")
@@ -189,6 +223,10 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True
+    response_format: dict[str, Any] | None = None
+
+    vllm_neutral: ClassVar[dict[str, tuple[Any, ...]]] = _VLLM_COMPLETION_NEUTRAL
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
@@ -245,6 +283,15 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: dict[str, Any] | None = None
     # variables the chat template gets besides the messages (vLLM's name; Qwen3's enable_thinking)
     chat_template_kwargs: dict[str, JsonValue] | None = None
+    # vLLM's chat extensions that change the prompt (refused unless neutral: _VLLM_CHAT_NEUTRAL)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    echo: bool = False
+    documents: list[Any] | None = None
+    add_special_tokens: bool = False
+
+    vllm_neutral: ClassVar[dict[str, tuple[Any, ...]]] = _VLLM_CHAT_NEUTRAL
 
     @model_validator(mode="before")
     @classmethod
