@@ -658,3 +658,21 @@ def test_with_include_usage_every_chunk_carries_usage_null_and_the_last_the_coun
             assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4, chunks[-1]
         else:
             assert chunks == content
+
+
+def test_add_generation_prompt_false_renders_the_messages_without_the_assistants_header(server):
+    """audit4: vLLM's add_generation_prompt (default true) was an unknown field, ignored: false
+    got the same prompt as true. SmolLM2's template opens the answer with
+    '<|im_start|>assistant\\n', four tokens: [1, 520, 9531, 198], the special token, 'ass',
+    'istant' and the newline (load_model(None).tokenizer.encode_rendered of the two renderings)."""
+    messages = [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "The colour is"}]
+
+    def prompt_tokens(**extra: object) -> int:
+        body = {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0, **extra}
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    opened = prompt_tokens()
+    assert prompt_tokens(add_generation_prompt=True) == opened
+    assert prompt_tokens(add_generation_prompt=False) == opened - 4

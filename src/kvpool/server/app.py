@@ -404,7 +404,11 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     def encode_chat(body: ChatCompletionRequest) -> list[int]:
         try:
-            text = state.tokenizer.render_chat(body.template_messages(), template_kwargs=body.chat_template_kwargs)
+            text = state.tokenizer.render_chat(
+                body.template_messages(),
+                add_generation_prompt=body.add_generation_prompt,
+                template_kwargs=body.chat_template_kwargs,
+            )
         except ValueError as error:  # render_chat's one line (the template's own checks, anything it raises)
             if str(error).startswith("chat_template_kwargs: "):
                 raise APIError(400, str(error), "chat_template_kwargs") from None

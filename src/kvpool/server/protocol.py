@@ -110,7 +110,6 @@ _VLLM_COMPLETION_NEUTRAL = {**_VLLM_NEUTRAL, "add_special_tokens": (True,), "res
 _VLLM_CHAT_NEUTRAL = {
     **_VLLM_NEUTRAL,
     "add_special_tokens": (False,),
-    "add_generation_prompt": (True,),
     "continue_final_message": (False,),
     "chat_template": (None,),  # (chat_template_kwargs is served)
     "echo": (False,),
@@ -283,8 +282,9 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: dict[str, Any] | None = None
     # variables the chat template gets besides the messages (vLLM's name; Qwen3's enable_thinking)
     chat_template_kwargs: dict[str, JsonValue] | None = None
-    # vLLM's chat extensions that change the prompt (refused unless neutral: _VLLM_CHAT_NEUTRAL)
+    # vLLM's: false renders the messages without the template's opening of the answer
     add_generation_prompt: bool = True
+    # vLLM's chat extensions that change the prompt (refused unless neutral: _VLLM_CHAT_NEUTRAL)
     continue_final_message: bool = False
     chat_template: str | None = None
     echo: bool = False
