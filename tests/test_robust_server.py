@@ -338,6 +338,24 @@ def test_a_messages_text_parts_are_joined_one_a_line_as_vllm_joins_them():
     assert rendered([]) == rendered("") == rendered(None)
 
 
+def test_a_messages_name_reaches_the_chat_template_as_vllm_passes_it():
+    """audit4 F3: a message's `name` (OpenAI's participant name) was dropped: a template that
+    renders names got another prompt than on vLLM, which hands the template the message with
+    its name. A message without one has no `name` key, so templates that test for it see none."""
+    from kvpool.server.protocol import APIError, ChatCompletionRequest, parse_body
+
+    messages = [{"role": "developer", "content": "be brief", "name": "ops"}, {"role": "user", "content": "hi"}]
+    body = {"messages": messages}
+    assert parse_body(json.dumps(body).encode(), ChatCompletionRequest).template_messages() == [
+        {"role": "system", "content": "be brief", "name": "ops"},
+        {"role": "user", "content": "hi"},
+    ]
+    with pytest.raises(APIError) as caught:  # a name is a string, as OpenAI's
+        named = {"messages": [{"role": "user", "content": "hi", "name": 7}]}
+        parse_body(json.dumps(named).encode(), ChatCompletionRequest)
+    assert (caught.value.status, caught.value.param) == (400, "messages[0].name"), caught.value.message
+
+
 def test_top_k_minus_one_is_vllms_all_tokens_and_is_served_as_no_top_k():
     """vLLM reads top_k -1 (its old default) and 0 as "all tokens": a client written for vLLM
     sends -1, and it was refused with a 400. Below -1 is still refused, naming the field."""

@@ -258,6 +258,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None  # the participant's name: the template gets it, as vLLM hands it on
 
     def text(self) -> str:
         if self.content is None:
@@ -333,8 +334,15 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them (developer is the system role)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """The messages as the chat template takes them (developer is the system role; a
+        `name` key only where the message has one)."""
+        messages = []
+        for m in self.messages:
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.name is not None:
+                message["name"] = m.name
+            messages.append(message)
+        return messages
 
 
 _Body = TypeVar("_Body", bound=BaseModel)
