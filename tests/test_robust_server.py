@@ -268,7 +268,6 @@ def test_vllms_prompt_and_output_extensions_are_refused_unless_neutral_not_ignor
     completion = (CompletionRequest, {"prompt": "hi"})
     cases = [
         # (endpoints, field, a value asking for something, the neutral value vLLM defaults to)
-        ([chat], "continue_final_message", True, False),
         ([chat], "chat_template", "{{ 'X' }}", None),
         ([chat], "echo", True, False),
         ([chat], "documents", [{"title": "a", "text": "b"}], []),

@@ -676,3 +676,32 @@ def test_add_generation_prompt_false_renders_the_messages_without_the_assistants
     opened = prompt_tokens()
     assert prompt_tokens(add_generation_prompt=True) == opened
     assert prompt_tokens(add_generation_prompt=False) == opened - 4
+
+
+def test_continue_final_message_answers_on_from_the_last_messages_text(server):
+    """audit4: vLLM's continue_final_message renders the messages without the answer's opening
+    and ends the prompt at the last message's text (no end-of-turn after it), so the model
+    continues that message. SmolLM2 closes a turn with '<|im_end|>\\n', two tokens, and opens
+    the answer with four (the test above): continuing is 6 tokens fewer than the opened prompt."""
+    messages = [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "The colour is"}]
+
+    def post(**extra: object) -> httpx.Response:
+        body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, **extra}
+        return httpx.post(f"{server}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+
+    opened, continued = post(), post(continue_final_message=True, add_generation_prompt=False)
+    assert continued.status_code == 200, continued.text
+    assert continued.json()["usage"]["prompt_tokens"] == opened.json()["usage"]["prompt_tokens"] - 6
+    # the same text sent as a completion prompt gets the same greedy continuation
+    system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    prompt = system + "<|im_start|>user\nName a colour<|im_end|>\n<|im_start|>assistant\nThe colour is"
+    done = httpx.post(
+        f"{server}/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0},
+        headers=AUTH,
+        timeout=120,
+    )
+    assert done.status_code == 200, done.text
+    assert continued.json()["choices"][0]["message"]["content"] == done.json()["choices"][0]["text"]
+    both = post(continue_final_message=True)  # add_generation_prompt left true: vLLM refuses the pair
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message", both.text

@@ -413,6 +413,18 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             if str(error).startswith("chat_template_kwargs: "):
                 raise APIError(400, str(error), "chat_template_kwargs") from None
             raise APIError(400, f"messages: {error}", "messages") from None
+        if body.continue_final_message:
+            # the prompt ends where the last message's text does: what the template put after
+            # it (the end of its turn) goes, and the model continues the message
+            final = body.messages[-1].text()
+            end = text.rfind(final)
+            if end < 0:
+                raise APIError(
+                    400,
+                    "continue_final_message: the chat template does not render the last message's text as sent",
+                    "continue_final_message",
+                )
+            text = text[: end + len(final)]
         return encode(text, "messages", rendered=True)
 
     @app.post("/v1/chat/completions")

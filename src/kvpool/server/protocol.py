@@ -110,7 +110,6 @@ _VLLM_COMPLETION_NEUTRAL = {**_VLLM_NEUTRAL, "add_special_tokens": (True,), "res
 _VLLM_CHAT_NEUTRAL = {
     **_VLLM_NEUTRAL,
     "add_special_tokens": (False,),
-    "continue_final_message": (False,),
     "chat_template": (None,),  # (chat_template_kwargs is served)
     "echo": (False,),
     "documents": (None, []),
@@ -283,10 +282,11 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: dict[str, Any] | None = None
     # variables the chat template gets besides the messages (vLLM's name; Qwen3's enable_thinking)
     chat_template_kwargs: dict[str, JsonValue] | None = None
-    # vLLM's: false renders the messages without the template's opening of the answer
+    # vLLM's: false renders the messages without the template's opening of the answer;
+    # continue_final_message (with it false) ends the prompt at the last message's text
     add_generation_prompt: bool = True
-    # vLLM's chat extensions that change the prompt (refused unless neutral: _VLLM_CHAT_NEUTRAL)
     continue_final_message: bool = False
+    # vLLM's chat extensions that change the prompt (refused unless neutral: _VLLM_CHAT_NEUTRAL)
     chat_template: str | None = None
     echo: bool = False
     documents: list[Any] | None = None
@@ -324,6 +324,11 @@ class ChatCompletionRequest(SamplingRequest):
                 raise ValueError(f'{name}: not supported by kvpool serve (no tools; only "none" is accepted)')
         if self.response_format is not None and self.response_format != {"type": "text"}:
             raise ValueError('response_format: not supported by kvpool serve (only {"type": "text"} is accepted)')
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message: needs add_generation_prompt: false (it opens a new answer)")
+            if not self.messages[-1].text():
+                raise ValueError("continue_final_message: the last message has no text to continue")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:
                 raise ValueError("max_completion_tokens: differs from max_tokens; give one")
