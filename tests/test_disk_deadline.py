@@ -218,6 +218,50 @@ def test_a_write_that_hangs_is_dropped_counted_and_never_installed(tmp_path, han
     tier.check_integrity()
 
 
+@pytest.mark.parametrize("name", ["timeout_s", "write_timeout_s", "retry_s", "open_timeout_s"])
+def test_a_deadline_past_what_python_can_wait_is_refused_in_one_line(tmp_path, name) -> None:
+    """audit5 #1: 1e10 s passed the finite check, then the first lookup (timeout_s) or the
+    open itself (open_timeout_s) raised OverflowError from the wait: threading's waits
+    overflow past threading.TIMEOUT_MAX (about 9.2e9 s). Refused as ValueError; 1e9 works."""
+    with pytest.raises(ValueError, match=f"disk tier {name} must be a finite positive number of seconds up to 1e"):
+        DiskTier(tmp_path / "a", 1 << 30, **{name: 1e10})
+    tier = DiskTier(tmp_path / "b", 1 << 30, **{name: 1e9})
+    assert tier.put(key(1), descriptor(1), tensors(1)) and tier.flush(30)
+    assert tier.lookup(key(1), descriptor(1)) and same(tier.get(key(1), descriptor(1)), 1)
+    tier.check_integrity()
+    with pytest.raises(ValueError, match="the disk cache's deadline must be a finite positive number of seconds"):
+        disk_module.open_directory(tmp_path / "c", timeout_s=1e10)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["cache", "ls", "--timeout", "1e10", "DIR"],
+        ["cache", "stats", "--timeout", "1e300", "DIR"],
+        ["run", "--model", "tiny-dsv4", "--disk-cache", "DIR", "--disk-open-timeout", "1e10"],
+        ["run", "--model", "tiny-dsv4", "--disk-cache", "DIR", "--disk-timeout", "1e10"],
+        ["run", "--model", "tiny-dsv4", "--redis", "redis://127.0.0.1:1", "--redis-timeout", "1e10"],
+    ],
+)
+def test_a_deadline_flag_past_what_python_can_wait_is_one_line(tmp_path, capsys, argv) -> None:
+    """audit5 #1: `kvpool cache ls --timeout 1e10` and `kvpool run --disk-open-timeout 1e10`
+    ended in an OverflowError traceback; now argparse's one line, nothing stored touched."""
+    from kvpool.cli.main import main
+
+    tier = filled(tmp_path, 2)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    argv = [str(tmp_path) if a == "DIR" else a for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    flag, value = argv[-2:] if argv[0] == "run" else argv[2:4]
+    assert err.endswith(f"error: argument {flag}: expected a positive number up to 1e+09, got {value!r}\n")
+    assert len(err.splitlines()) == 1
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before
+    assert all(stored(tier, i).exists() for i in range(2))
+
+
 @pytest.mark.parametrize(
     "options",
     [{"timeout_s": 0}, {"timeout_s": float("inf")}, {"write_timeout_s": -1.0}, {"retry_s": "1"}, {"timeout_s": True}],

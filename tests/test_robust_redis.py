@@ -223,7 +223,9 @@ def test_a_redis_url_check_url_cannot_read_names_the_flag(url, needle) -> None:
 
 
 @pytest.mark.parametrize(
-    ("timeout_s", "retry_s"), [(float("inf"), 1.0), (0.5, float("inf")), (float("nan"), 1.0), (0, 1.0)]
+    ("timeout_s", "retry_s"),
+    # (1e10: past threading.TIMEOUT_MAX, an OverflowError from socket.settimeout; audit5 #1)
+    [(float("inf"), 1.0), (0.5, float("inf")), (float("nan"), 1.0), (0, 1.0), (1e10, 1.0), (0.5, 1e10)],
 )
 def test_a_deadline_that_is_not_a_finite_positive_number_is_refused(timeout_s, retry_s) -> None:
     """Every call's deadline is the tier's promise against a stalled server: inf (no

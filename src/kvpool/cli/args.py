@@ -91,6 +91,15 @@ def positive_float(text: str) -> float:
     )
 
 
+def deadline_seconds(text: str) -> float:
+    """A deadline in seconds: a float in (0, tiers/deadline.py's MAX_DEADLINE_S] (`kvpool cache
+    --timeout`, --disk-timeout ...; a larger one was an OverflowError traceback from the
+    wait: Python's waits overflow past threading.TIMEOUT_MAX; audit5 #1)."""
+    from kvpool.tiers.deadline import MAX_DEADLINE_S  # (here: `kvpool --help` imports no torch)
+
+    return parsed_number(text, float, lambda v: 0 < v <= MAX_DEADLINE_S, f"a positive number up to {MAX_DEADLINE_S:g}")
+
+
 def fraction(text: str) -> float:
     """A float in (0, 1] (a share of a GPU's memory)."""
     return parsed_number(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
@@ -501,7 +510,7 @@ def add_persistent_cache_arguments(parser: argparse.ArgumentParser, *, swa: bool
         "degrades to misses with one warning line (default: none)",
     )
     for flag, _, _, text in TIER_DEADLINE_FLAGS:
-        parser.add_argument(flag, type=positive_float, default=None, metavar="S", help=text)
+        parser.add_argument(flag, type=deadline_seconds, default=None, metavar="S", help=text)
     if not swa:
         return
     parser.add_argument(

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from kvpool.cli.args import positive_float
+from kvpool.cli.args import deadline_seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=positive_float,
+        type=deadline_seconds,
         default=10.0,
         metavar="S",
         help="seconds to wait for each answer of the directory's file system (a hung mount ends the command in "

@@ -32,6 +32,19 @@ from typing import Any
 
 _MAX_IDLE = 2  # workers kept for the next calls; more exit when their job ends
 _IDLE_S = 10.0  # a worker with no job for this long exits (a tier no longer used holds none)
+# the longest deadline a tier or `kvpool cache --timeout` takes (about 31 years): Python's waits
+# and socket timeouts overflow past threading.TIMEOUT_MAX (about 9.2e9 s), an OverflowError
+# traceback at the first lookup or the open (audit5 #1)
+MAX_DEADLINE_S = 1e9
+
+
+def check_deadline(what: str, value: object) -> float:
+    """`value` as a float when it is a number of seconds in (0, MAX_DEADLINE_S]; ValueError
+    naming `what` otherwise (an infinite deadline is none: a hung mount or a stalled server
+    would hang a step for ever)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_DEADLINE_S:
+        raise ValueError(f"{what} must be a finite positive number of seconds up to {MAX_DEADLINE_S:g}, got {value!r}")
+    return float(value)
 
 
 class NoAnswer(Exception):  # noqa: N818 - not an error of the caller's: the file system's silence

@@ -122,7 +122,6 @@ import enum
 import errno
 import io
 import itertools
-import math
 import os
 import stat
 import sys
@@ -138,7 +137,7 @@ from torch import Tensor
 
 from kvpool.tiers import entry
 from kvpool.tiers.base import Tier, TierStats
-from kvpool.tiers.deadline import DeadlineRunner, Job, NoAnswer, Progress
+from kvpool.tiers.deadline import DeadlineRunner, Job, NoAnswer, Progress, check_deadline
 from kvpool.tiers.descriptor import BlockDescriptor
 from kvpool.tiers.writer import BackgroundWriter
 
@@ -388,6 +387,7 @@ def bounded(root: Path, doing: str, timeout_s: float, fn: Callable[..., object],
     takes as long as it needs: deadline.py's `wait_steady`); ValueError naming the directory,
     what `doing`, what it waited on and the deadline once it stops answering (a hung mount:
     the open hung for ever). Its exceptions are raised as they are."""
+    check_deadline("the disk cache's deadline", timeout_s)
     runner = DeadlineRunner("disk-open")
     progress = Progress(root)
     try:
@@ -571,9 +571,7 @@ class DiskTier(Tier):
             ("retry_s", retry_s),
             ("open_timeout_s", open_timeout_s),
         ):
-            # finite: an infinite deadline is none (a hung mount hangs a step for ever)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"disk tier {name} must be a finite positive number of seconds, got {value!r}")
+            check_deadline(f"disk tier {name}", value)
         if isinstance(breaker_failures, bool) or not isinstance(breaker_failures, int) or breaker_failures < 1:
             raise ValueError(f"disk tier breaker_failures must be a positive integer, got {breaker_failures!r}")
         self.timeout_s, self.write_timeout_s = float(timeout_s), float(write_timeout_s)

@@ -52,7 +52,6 @@ would go to the same hung mount).
 from __future__ import annotations
 
 import itertools
-import math
 import re
 import sys
 import threading
@@ -70,6 +69,7 @@ from torch import Tensor
 
 from kvpool.tiers import entry
 from kvpool.tiers.base import Tier, TierStats
+from kvpool.tiers.deadline import MAX_DEADLINE_S
 from kvpool.tiers.descriptor import BlockDescriptor
 from kvpool.tiers.redis_conn import resolve_within_deadline
 from kvpool.tiers.writer import BackgroundWriter
@@ -251,9 +251,11 @@ class RedisTier(Tier):
         self.url = check_url(url)
         self.shown_url = redact_url(url)  # what messages and the report say (no password)
         # finite: an infinite deadline is none (a stalled server stalls a step for ever)
-        if not 0 < timeout_s < math.inf or not 0 < retry_s < math.inf:
+        # (at most MAX_DEADLINE_S: a socket timeout past threading.TIMEOUT_MAX is an OverflowError)
+        if not 0 < timeout_s <= MAX_DEADLINE_S or not 0 < retry_s <= MAX_DEADLINE_S:
             raise ValueError(
-                f"timeout_s and retry_s must be finite positive numbers of seconds, got {timeout_s} and {retry_s}"
+                f"timeout_s and retry_s must be finite positive numbers of seconds up to {MAX_DEADLINE_S:g}, "
+                f"got {timeout_s} and {retry_s}"
             )
         try:
             self._client = redis.Redis.from_url(
