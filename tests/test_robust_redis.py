@@ -353,6 +353,7 @@ _PART = st.text(alphabet="ABCDEFGHJKLMNPQRSTUVWXYZ", min_size=6, max_size=12)  #
 @example(head="PAWORD", sep="@", tail="SECRET", form=3)  # review 9 #3: taken, port or not
 @example(head="PAWORD", sep="&@", tail="SECRET", form=3)
 @example(head="PAWORD", sep="//", tail="SECRET", form=4)
+@example(head="PAWORD", sep="&=", tail="SECRET", form=3)  # audit5 #2: '&=SECRET', an option '' (TypeError)
 @given(head=_PART, sep=st.text(alphabet=_SEPARATORS, min_size=1, max_size=3), tail=_PART, form=st.integers(0, 5))
 def test_a_password_never_shows_whatever_characters_it_holds(head, sep, tail, form) -> None:
     """redact_url showed a password with a raw '#' or '?' whole (review 8 #5:
@@ -389,6 +390,10 @@ def test_a_password_never_shows_whatever_characters_it_holds(head, sep, tail, fo
     except ValueError as refused:
         if form >= 4:  # (not a redis:// URL at all)
             assert "expected redis://" in str(refused) or "no host" in str(refused), (url, refused)
+        elif not past_host and form == 3 and "&" in sep:
+            # a raw '&' in ?password=: what follows it is an option of its own, one redis-py's
+            # connection does not take (a TypeError traceback; audit5 #2)
+            assert "percent-encode a password's '&'" in str(refused), (url, refused)
         else:
             assert past_host and "percent-encode" in str(refused), (url, refused)  # never half-parsed
         said = str(refused)
@@ -397,6 +402,53 @@ def test_a_password_never_shows_whatever_characters_it_holds(head, sep, tail, fo
         said = "\n".join(lines) + str(t.report())
         t.close()
     assert head not in said and tail not in said and quote(head) not in said, said
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://127.0.0.1:1/0?foo=1", "redis-py takes no option 'foo' in the URL's query"),
+        ("redis://127.0.0.1:1/0?db=0&timeout=1", "redis-py takes no option 'timeout' in the URL's query"),
+        ("redis://127.0.0.1:1/0?ssl_min_version=2", "redis-py takes no option 'ssl_min_version'"),
+        ("unix:///tmp/kvpool-no.sock?socket_keepalive=1", "redis-py takes no option 'socket_keepalive'"),
+        ("redis://127.0.0.1:1/0?password=SECRET&=TAIL", "an option redis-py does not take after ?password="),
+        ("redis://127.0.0.1:1/0?password=SECRET&TAIL=x", "an option redis-py does not take after ?password="),
+    ],
+)
+def test_a_query_option_the_connection_does_not_take_is_refused_in_one_line(url, message, capsys) -> None:
+    """audit5 #2: redis-py hands every query name with a value to its connection class, and
+    one that class does not take (a typo, ?timeout=, an ssl_ option on redis://, the tail of
+    a password with a raw '&') was a TypeError traceback at the first connection (kvpool run:
+    after the model loaded). Now check_url's ValueError, with `kvpool run`'s one line before
+    the model loads; the tail of a password never shown."""
+    from kvpool.cli.main import main
+
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        check_url(url)
+    assert "SECRET" not in str(refused.value) and "TAIL" not in str(refused.value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RedisTier(url, timeout_s=0.2)
+    assert main(["run", "--model", "tiny-dsv4", "--num-requests", "1", "--redis", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpool run: error: --redis ") and message in err and len(err.splitlines()) == 1, err
+    assert "SECRET" not in err and "TAIL" not in err
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:1/0?socket_timeout=0.5&client_name=me&max_connections=4",
+        "redis://127.0.0.1:1/0?foo=",  # (an empty value: redis-py drops it)
+        "redis://127.0.0.1:1/0?password=SEC%26RET",
+        "rediss://127.0.0.1:1/0?ssl_min_version=2",
+    ],
+)
+def test_a_query_option_the_connection_takes_is_served(url) -> None:
+    """What redis-py's connection takes still passes: an unreachable server is an outage."""
+    lines: list[str] = []
+    tier = RedisTier(check_url(url), timeout_s=0.2, log=lines.append)
+    assert not tier.available and lines and "SEC" not in "\n".join(lines)
+    tier.close()
 
 
 # ----- a host name the resolver does not answer ---------------------------------------------

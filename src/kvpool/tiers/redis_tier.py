@@ -60,7 +60,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, NamedTuple
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -151,6 +151,18 @@ def check_url(url: str) -> str:
             f"--redis {shown!r}: an '@' after the URL's host part: percent-encode a password's "
             "'/', '?', '#' and '@' (%2F, %3F, %23, %40), and an '@' elsewhere (%40)"
         )
+    unknown = _unknown_query_option(url, parts.scheme, parts.query)
+    if unknown is not None:
+        if unknown == "":
+            # (a name after ?password= may be a piece of the password: never shown)
+            raise ValueError(
+                f"--redis {shown!r}: the URL's query holds an option redis-py does not take after ?password=: "
+                "percent-encode a password's '&' and '#' (%26, %23)"
+            )
+        raise ValueError(
+            f"--redis {shown!r}: redis-py takes no option {unknown!r} in the URL's query (a connection of "
+            f"{parts.scheme}:// takes {', '.join(_documented_options(parts.scheme))}, among others)"
+        )
     if parts.scheme == "unix" and not parts.path.strip("/"):
         raise ValueError(f"--redis {shown!r}: no socket path (unix:///PATH/TO/redis.sock)")
     if parts.scheme != "unix":
@@ -166,6 +178,47 @@ def check_url(url: str) -> str:
                 f"--redis {shown!r}: the database {db!r} is not a number (redis://HOST:PORT/DB, DB from 0)"
             )
     return url
+
+
+def _options_taken(scheme: str) -> set[str]:
+    """The keyword arguments redis-py's connection of `scheme` (and its pool) take: the
+    names of a URL's query it may be given (redis-py hands it every name with a value)."""
+    import inspect
+
+    from redis import connection
+
+    classes = {"rediss": connection.SSLConnection, "unix": connection.UnixDomainSocketConnection}
+    names: set[str] = set()
+    for cls in (classes.get(scheme, connection.Connection), connection.ConnectionPool):
+        for klass in cls.__mro__:
+            if "__init__" in vars(klass):
+                for p in inspect.signature(klass.__init__).parameters.values():
+                    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                        names.add(p.name)
+    return names
+
+
+def _documented_options(scheme: str) -> list[str]:
+    """The query options a message suggests: redis-py's parsed ones and its text ones that
+    a connection of `scheme` takes."""
+    from redis import connection
+
+    return sorted((set(connection.URL_QUERY_ARGUMENT_PARSERS) | set(_TEXT_QUERY_ARGUMENTS)) & _options_taken(scheme))
+
+
+def _unknown_query_option(url: str, scheme: str, query: str) -> str | None:
+    """The first name of the URL's query that redis-py would hand its connection and that the
+    connection does not take (a TypeError at the first connection: a traceback, after the
+    model loaded; audit5 #2), "" for one after a ?password= (a raw '&' in the password: the
+    name may be a piece of it, never shown), None for none. As redis-py reads a query:
+    parse_qs, names with an empty value dropped."""
+    taken = _options_taken(scheme)
+    after_password = False
+    for name, _ in parse_qsl(query):
+        if name not in taken:
+            return "" if after_password or "password" in name.lower() else name
+        after_password = after_password or name == "password"
+    return None
 
 
 # the errors redis-py gives a class of their own, without the server's first word
