@@ -1384,3 +1384,32 @@ def test_the_index_under_evictions_and_another_process_stays_exact(tmp_path_fact
         tier.check_integrity()
         assert tier.stats.num_evictions == evicted, (op, i, tier.stats.num_evictions, evicted)
         assert tier.stats.num_corrupt == 0 and not tier._removing
+
+
+def test_cache_ls_and_stats_escape_what_others_wrote_into_the_directory(tmp_path, capsys) -> None:
+    """audit5 #3: an entry's model id and weights version (any JSON string) and a file's name
+    (any bytes) were printed raw by `kvpool cache ls / stats`: an escape sequence (clear the
+    screen, set the terminal's title) reached the terminal and a newline forged a line of the
+    listing. Now escaped as Python writes them; --json (escaped by json) is unchanged."""
+    from kvpool.cli.main import main
+
+    evil = "evil\x1b[2J\x1b]0;title\x07\nforged 16 m\u202e"
+    tier = DiskTier(tmp_path, 1 << 30)
+    assert tier.put(key(0), descriptor(0, model_id=evil, weights_version="w\r\x1b[31m"), tensors(0, 8))
+    assert tier.put(key(1), descriptor(1), tensors(1, 8)) and tier.flush(30)
+    odd = stored(tier, 1).parent / "x\x1b[2Jy\n.safetensors"
+    odd.write_bytes(b"junk")
+    tier.close()
+    for action in ("ls", "stats"):
+        assert main(["cache", action, str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert all(c.isprintable() for c in out.replace("\n", "")), out  # no control character but the line ends
+        assert "evil\\x1b[2J\\x1b]0;title\\x07\\nforged 16 m\\u202e" in out
+        lines = out.splitlines()
+        if action == "ls":  # the header and one line per entry: nothing forged
+            assert len(lines) == 4 and sum("x\\x1b[2Jy\\n" in line for line in lines) == 1
+        else:
+            assert "w\\r\\x1b[31m" in out and not any(line.startswith("forged") for line in lines)
+    assert main(["cache", "ls", "--json", str(tmp_path)]) == 0
+    rows = json.loads(capsys.readouterr().out)["entries"]
+    assert {r["model"] for r in rows} == {evil, "m", None}  # (the JSON carries the strings exact)

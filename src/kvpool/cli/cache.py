@@ -46,6 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _shown(value: object) -> str:
+    """`value` as text for the terminal, its unprintable characters escaped as Python writes them
+    (\\x1b, \\n, \\u202e): a descriptor's strings and the file names come from whoever wrote
+    the shared directory, and printed raw, an escape sequence reached the terminal and a
+    newline forged a line of the listing (audit5 #3). --json escapes them already."""
+    text = str(value)
+    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 class _Read(NamedTuple):
     """What the command found in the directory (`_read`), printed after."""
 
@@ -78,7 +87,8 @@ def _clear(root: Path, quarantine_only: bool, cleared) -> int:
     print(f"kvpool cache: removed {cleared.num_removed} files from {root}{what}{alive}")
     if cleared.errors:
         print(
-            f"kvpool cache: {len(cleared.errors)} could not be removed, the first: {cleared.errors[0]}", file=sys.stderr
+            f"kvpool cache: {len(cleared.errors)} could not be removed, the first: {_shown(cleared.errors[0])}",
+            file=sys.stderr,
         )
         return 1
     return 0
@@ -91,7 +101,7 @@ def _unlisted(unlisted: list) -> int:
     if not unlisted:
         return 0
     what = "1 directory" if len(unlisted) == 1 else f"{len(unlisted)} directories"
-    shown = ", ".join(map(str, unlisted[:3])) + (", ..." if len(unlisted) > 3 else "")
+    shown = ", ".join(map(_shown, unlisted[:3])) + (", ..." if len(unlisted) > 3 else "")
     print(
         f"kvpool cache: {what} could not be listed (permission denied): {shown}; their entries are not shown",
         file=sys.stderr,
@@ -125,9 +135,9 @@ def run(args: argparse.Namespace) -> int:
                 if key == "models":
                     print("models:")
                     for name, v in value.items():
-                        print(f"  {name}: {v['entries']} entries, {v['bytes'] / 2**20:.1f} MiB")
+                        print(f"  {_shown(name)}: {v['entries']} entries, {v['bytes'] / 2**20:.1f} MiB")
                 else:
-                    print(f"{key}: {value}")
+                    print(f"{key}: {_shown(value)}")
         return _unlisted(found.unlisted)
     rows = [
         {
@@ -152,5 +162,5 @@ def run(args: argparse.Namespace) -> int:
         end = r["tokens"] if r["tokens"] is not None else "?"
         model = r["model"] or f"{'other version' if r['other_version'] else 'unreadable'}: {r['problem']}"
         model += f" ({STRANDED})" if r["stranded"] else ""
-        print(f"{r['key']:32}  {r['bytes']:>9}  {r['last_used']:19}  {end:>7}  {model}")
+        print(f"{_shown(r['key']):32}  {r['bytes']:>9}  {r['last_used']:19}  {end:>7}  {_shown(model)}")
     return _unlisted(found.unlisted)
