@@ -1413,3 +1413,34 @@ def test_cache_ls_and_stats_escape_what_others_wrote_into_the_directory(tmp_path
     assert main(["cache", "ls", "--json", str(tmp_path)]) == 0
     rows = json.loads(capsys.readouterr().out)["entries"]
     assert {r["model"] for r in rows} == {evil, "m", None}  # (the JSON carries the strings exact)
+
+
+def test_cache_clear_goes_on_past_a_file_it_cannot_remove(tmp_path, monkeypatch, capsys) -> None:
+    """audit5 #4: clear removed a namespace with a walk that stopped at its first failed
+    removal (another user's entry in a shared directory, a read-only filesystem), leaving the
+    entries not yet walked in place, and counted the namespace as one failure. Now every
+    other entry goes, and the line counts the files that stay."""
+    from kvpool.cli.main import main
+
+    tier = filled(tmp_path, 6)
+    tier.close()
+    prefix = stored(tier, 0).parent
+    refused = prefix / os.listdir(prefix)[0]  # the walk's first: the old walk stopped there
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if os.fspath(path) == str(refused):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    assert main(["cache", "clear", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == f"kvpool cache: removed 5 files from {tmp_path}\n"
+    assert captured.err == (
+        f"kvpool cache: 1 could not be removed, the first: [Errno 13] Permission denied: '{refused}'\n"
+    )
+    left = [p for p in (tmp_path / "entries").rglob("*") if p.is_file()]
+    assert left == [refused]
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert main(["cache", "clear", str(tmp_path)]) == 0 and not list((tmp_path / "entries").iterdir())
