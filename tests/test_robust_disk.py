@@ -1444,3 +1444,30 @@ def test_cache_clear_goes_on_past_a_file_it_cannot_remove(tmp_path, monkeypatch,
     assert left == [refused]
     monkeypatch.setattr(os, "unlink", real_unlink)
     assert main(["cache", "clear", str(tmp_path)]) == 0 and not list((tmp_path / "entries").iterdir())
+
+
+def test_cache_ls_and_stats_count_only_what_the_tier_reads_as_an_entry(tmp_path, capsys) -> None:
+    """audit5 #6: `kvpool cache ls / stats` parsed a file's name with bytes.fromhex, which
+    takes upper case and spaces: an upper-case copy of an entry was listed and counted as a
+    second good entry, though the tier never indexes or reads it (the test above), and a name
+    that is no hex showed Python's fromhex error. Now both are unreadable, saying why."""
+    from kvpool.cli.main import main
+
+    tier = DiskTier(tmp_path, 1 << 30)
+    tier.put(key(0xAB), descriptor(0xAB), tensors(0xAB, 64))
+    assert tier.flush(30)
+    path = stored(tier, 0xAB)
+    shutil.copy(path, path.with_name(path.name.upper().replace("SAFETENSORS", "safetensors")))
+    shutil.copy(path, path.with_name("ab cd.safetensors"))
+    (path.parent / "zz.safetensors").write_bytes(b"x")
+    tier.close()
+    assert DiskTier(tmp_path, 1 << 30).num_entries == 1  # (the tier's count, the reference)
+    assert main(["cache", "stats", "--json", str(tmp_path)]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["entries"] == 4 and stats["unreadable"] == 3
+    assert stats["models"]["m (w1, L2:bs16:fp32)"] == {"entries": 1, "bytes": path.stat().st_size}
+    assert main(["cache", "ls", "--json", str(tmp_path)]) == 0
+    rows = json.loads(capsys.readouterr().out)["entries"]
+    assert sorted(r["key"] for r in rows if r["model"] == "m") == [path.name.removesuffix(".safetensors")]
+    odd = [r["problem"] for r in rows if r["model"] is None]
+    assert len(odd) == 3 and all(p.startswith("not an entry's name (a key in lower-case hex") for p in odd)

@@ -97,7 +97,7 @@ def inspect_cache(root: Path, *, verify: bool = True, progress: Progress | None 
         progress.step(path)
         descriptor, problem, other_version = None, "", False
         try:
-            key = bytes.fromhex(path.name.removesuffix(SUFFIX))
+            key = _entry_key(path)
             with _open_entry(path) as f:
                 if verify:
                     descriptor = entry.decode(f.read(), key)[0]
@@ -111,6 +111,20 @@ def inspect_cache(root: Path, *, verify: bool = True, progress: Progress | None 
         stranded = descriptor is not None and path.parent.parent.name != entry.namespace(descriptor)
         out.append(EntryInfo(path, st.st_size, st.st_mtime_ns, descriptor, problem, other_version, stranded))
     return out
+
+
+def _entry_key(path: Path) -> bytes:
+    """The content key an entry's file name holds; ValueError for a name that is no entry's
+    (the tier indexes `<key in lower-case hex>.safetensors` only: bytes.fromhex also took
+    upper case and spaces, and `kvpool cache ls / stats` listed and counted as an entry a copy
+    the tier never reads; audit5 #6)."""
+    try:
+        key = bytes.fromhex(path.name.removesuffix(SUFFIX))
+    except ValueError:
+        key = None
+    if key is None or path.name != f"{key.hex()}{SUFFIX}":
+        raise ValueError(f"not an entry's name (a key in lower-case hex, then {SUFFIX}): the tier never reads it")
+    return key
 
 
 def summarize_cache(root: Path, infos: list[EntryInfo], progress: Progress | None = None) -> dict[str, object]:
