@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save as st_save
 
 from kvpool.tiers import DiskTier
+from kvpool.tiers import disk as disk_module
 from kvpool.tiers import entry as entry_format
 from test_disk_tier import descriptor, key, stored, tensors
 
@@ -160,7 +161,7 @@ def test_a_directory_where_an_entry_or_a_temp_file_should_be(tmp_path) -> None:
     assert not fresh.lookup(key(0), descriptor(0))
     assert fresh.stats.misses == {"corrupt": 1} and not stored(tier, 0).exists()  # moved aside
     # a directory where this writer's next temp file goes: the write fails, counted
-    (tmp_path / "c" / "tmp" / f"{key(5).hex()}.{os.getpid()}.0.tmp").mkdir()
+    (tmp_path / "c" / "tmp" / disk_module.temp_file_name(key(5), 0)).mkdir()
     assert fresh.put(key(5), descriptor(5), tensors(5)) and fresh.flush(30)
     assert fresh.stats.num_write_errors == 1 and fresh._writer.num_failed == 0
     assert fresh.put(key(0), descriptor(0), tensors(0)) and fresh.flush(30)  # the path is free again
@@ -169,7 +170,7 @@ def test_a_directory_where_an_entry_or_a_temp_file_should_be(tmp_path) -> None:
 
 def test_a_fifo_at_a_temp_file_path_fails_that_write_without_a_hang(tmp_path) -> None:
     tier = DiskTier(tmp_path, 1 << 30)
-    os.mkfifo(tmp_path / "tmp" / f"{key(1).hex()}.{os.getpid()}.0.tmp")  # where its first write goes
+    os.mkfifo(tmp_path / "tmp" / disk_module.temp_file_name(key(1), 0))  # where its first write goes
     assert tier.put(key(1), descriptor(1), tensors(1))
     assert tier.flush(5), "the writer blocked on a FIFO"
     assert tier.stats.num_write_errors == 1 and tier.stats.num_puts == 0
@@ -318,6 +319,54 @@ def test_clear_quarantine_leaves_a_live_writers_temp_file(tmp_path) -> None:
     everything = cache_cli("clear", str(tmp_path))
     assert everything.returncode == 0 and live.exists()  # a full clear keeps it too
     assert not list((tmp_path / "entries").rglob("*.safetensors"))
+
+
+def test_a_temp_file_of_a_reused_pid_is_swept_and_this_processs_own_kept(tmp_path) -> None:
+    """audit5 #5: in a container the engine gets the same pid at every start, so a killed
+    writer's temp file named by pid alone was kept for ever (the sweep saw its pid alive).
+    The name carries the writer's start time too: a live pid of another start time is a
+    writer gone, swept at open and by `cache clear --quarantine`; this process's own kept;
+    an old-scheme name keeps the old rule (its pid alive: kept)."""
+    if disk_module._start_time(os.getpid()) is None:
+        pytest.skip("no /proc/<pid>/stat here: the pid alone decides (the old rule)")
+    filled(tmp_path, 1)
+    mine = disk_module.temp_file_name(key(7), 0)
+    start, pid = mine.split(".")[1], mine.split(".")[2]
+    assert start == f"s{disk_module._start_time(os.getpid())}" and pid == str(os.getpid())
+    own = tmp_path / "tmp" / disk_module.temp_file_name(key(7), 99)
+    reused = tmp_path / "tmp" / f"{key(8).hex()}.s{int(start[1:]) - 1}.{os.getpid()}.0.tmp"  # this pid, before
+    parent = os.getppid()  # (alive, another start time than the one named)
+    reused_other = tmp_path / "tmp" / f"{key(9).hex()}.s{disk_module._start_time(parent) + 1}.{parent}.0.tmp"
+    parents = tmp_path / "tmp" / f"{key(10).hex()}.s{disk_module._start_time(parent)}.{parent}.0.tmp"
+    old_scheme = tmp_path / "tmp" / f"{key(11).hex()}.{parent}.0.tmp"  # (an earlier kvpool's: pid alive)
+    unknown = tmp_path / "tmp" / f"{key(12).hex()}.s0.{parent}.0.tmp"  # (its writer had no /proc: pid alive)
+    for p in (own, reused, reused_other, parents, old_scheme, unknown):
+        p.write_bytes(b"half an entry")
+    files = (own, reused, reused_other, parents, old_scheme, unknown)
+    assert [disk_module.temp_file_owner_alive(p) for p in files] == [True, False, False, True, True, True]
+    tier = DiskTier(tmp_path, 1 << 30)  # the next engine's open sweeps
+    assert tier.num_stale_tmp_removed == 2 and not reused.exists() and not reused_other.exists()
+    assert own.exists() and parents.exists() and old_scheme.exists() and unknown.exists()
+    assert not tier.lookup(key(7), descriptor(7)) and not tier.lookup(key(8), descriptor(8))  # never a hit
+    reused.write_bytes(b"half an entry")
+    done = cache_cli("clear", str(tmp_path), "--quarantine")  # another process: reads /proc/<pid>/stat
+    assert done.returncode == 0 and "removed 1 file" in done.stdout, done.stdout + done.stderr
+    assert not reused.exists() and own.exists() and parents.exists() and old_scheme.exists()
+    assert "4 temp files of live writers kept" in done.stdout, done.stdout
+    tier.check_integrity()
+
+
+def test_the_start_time_is_read_past_a_process_name_of_spaces_and_parentheses(tmp_path, monkeypatch) -> None:
+    """/proc/<pid>/stat's second field is the name in parentheses, which may hold both."""
+    line = b"4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 10 0 0 0 1 2 0 0 20 0 1 0 987654 100 200\n"
+    real_open = builtins.open
+
+    def fake_open(path, *args, **kwargs):
+        return io.BytesIO(line) if path == "/proc/4242/stat" else real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert disk_module._start_time(4242) == 987654
+    assert disk_module._start_time(2**22 + 1) is None  # (above pid_max: no such process)
 
 
 def _other_version(k: bytes, desc, found: dict[str, torch.Tensor], sum_key: str = "kvpool.manifest_xxh3") -> bytes:

@@ -3,7 +3,8 @@ opens it.
 
     DIR/kvpool-disk-cache                     marker (format), written when the cache is made
     DIR/entries/<namespace>/<kk>/<key>.safetensors   one block: tensors + manifest (entry.py)
-    DIR/tmp/<key>.<pid>.<n>.tmp               writes in progress
+    DIR/tmp/<key>.s<start>.<pid>.<n>.tmp      writes in progress (<start>: the writer's start
+                                              time, /proc/<pid>/stat's field 22; 0 unknown)
     DIR/quarantine/<key>.<ns>.safetensors     entries whose bytes did not check out (the
                                               newest, within 1/32 of the byte limit; listed
                                               at open, then kept as a list)
@@ -12,7 +13,8 @@ Writes (SQLite's discipline): the entry goes to a temp file of a unique name, is
 renamed onto its final name (atomic on POSIX), and the directory is fsynced. A reader
 sees the old entry or the new one, never a torn one; a writer killed at any point leaves
 at most a temp file, which the next process to open the cache removes once its writer is
-dead. Two processes writing the same entry both rename whole files: the last one wins.
+gone (dead, or its pid now another process's: temp_file_owner_alive). Two processes
+writing the same entry both rename whole files: the last one wins.
 
 Reads check the manifest's checksum and every tensor's (entry.py): a corrupted or
 truncated entry, or one whose tensors are not the shapes and dtypes the engine declared
@@ -344,14 +346,58 @@ def _read_marker(path: Path) -> bytes:
         return f.read(4096)
 
 
+def temp_file_name(key: bytes, n: int) -> str:
+    """The name of this process's `n`th temp file for `key`: <key>.s<start>.<pid>.<n>.tmp,
+    its writer named beyond its pid (a pid is reused: in a container the engine often gets
+    the same one at every start) by its start time. The pid stays third from the end, where
+    a kvpool that knows only <key>.<pid>.<n>.tmp reads it (and keeps the file while that pid
+    lives, as it did)."""
+    pid = os.getpid()
+    return f"{key.hex()}.s{_own_start_time(pid) or 0}.{pid}.{n}.tmp"
+
+
 def temp_file_owner_alive(path: Path) -> bool:
-    """Whether the writer named in a temp file's name (<key>.<pid>.<n>.tmp) is a live
-    process of this machine."""
+    """Whether the writer named in a temp file's name is a live process of this machine: the
+    process of that pid and, where the name carries one, that start time
+    (<key>.s<start>.<pid>.<n>.tmp; a start time unknown, to the writer or here (no /proc,
+    or another user's hidden), falls back to the pid alone). A name of the old scheme
+    (<key>.<pid>.<n>.tmp, written by an earlier kvpool) keeps the old rule: that pid lives."""
+    parts = path.name.split(".")
     try:
-        pid = int(path.name.split(".")[-3])
+        pid = int(parts[-3])
+        start = int(parts[-4][1:]) if len(parts) >= 5 and parts[-4][:1] == "s" else None
     except (IndexError, ValueError):
         return False
-    return pid > 0 and (pid == os.getpid() or _pid_alive(pid))
+    if pid <= 0:
+        return False
+    if not start:  # the old scheme, or a writer that could not read its own start time
+        return pid == os.getpid() or _pid_alive(pid)
+    now = _own_start_time(pid) if pid == os.getpid() else _start_time(pid)
+    if now is None:  # no /proc, or hidden (hidepid): the pid alone
+        return _pid_alive(pid) if pid != os.getpid() else True
+    return now == start
+
+
+def _start_time(pid: int) -> int | None:
+    """A process's start time (clock ticks after boot: /proc/<pid>/stat's field 22); None
+    where there is no such process or it cannot be read (no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+        # after the name's closing parenthesis (a name may hold spaces and parentheses): field 3 on
+        return int(text[text.rindex(b")") + 1 :].split()[22 - 3])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_own_start: tuple[int, int | None] = (0, None)  # (pid, its start time): read once per process
+
+
+def _own_start_time(pid: int) -> int | None:
+    global _own_start
+    if _own_start[0] != pid:  # (first call, or a forked child)
+        _own_start = (pid, _start_time(pid))
+    return _own_start[1]
 
 
 def fsync_path(path: Path) -> None:
@@ -1319,7 +1365,7 @@ class DiskTier(Tier):
         OSError of a refused write, its temp file removed; so is a write whose writer gave
         up on it before its rename (`gate`: past its deadline, never installed). On a
         deadline worker: no lock."""
-        tmp = self.root / "tmp" / f"{key.hex()}.{os.getpid()}.{next(self._tmp_names)}.tmp"
+        tmp = self.root / "tmp" / temp_file_name(key, next(self._tmp_names))
         try:
             self._stage("open")
             # non-blocking: a FIFO at the temp file's path is an error (ENXIO), not a hang
