@@ -369,6 +369,23 @@ def test_the_start_time_is_read_past_a_process_name_of_spaces_and_parentheses(tm
     assert disk_module._start_time(2**22 + 1) is None  # (above pid_max: no such process)
 
 
+def test_without_proc_a_temp_file_is_judged_by_its_pid_alone(tmp_path, monkeypatch) -> None:
+    """No /proc (or its stat unreadable): the writer names s0 and the sweep falls back to the
+    pid alone (the old rule), keeping a live writer's file; writes go on as before."""
+    monkeypatch.setattr(disk_module, "_start_time", lambda pid: None)
+    monkeypatch.setattr(disk_module, "_own_start", (0, None))
+    assert disk_module.temp_file_name(key(1), 3) == f"{key(1).hex()}.s0.{os.getpid()}.3.tmp"
+    tier = filled(tmp_path, 2)
+    named = tmp_path / "tmp" / f"{key(7).hex()}.s123.{os.getpid()}.0.tmp"  # (a start time not checkable here)
+    dead = tmp_path / "tmp" / f"{key(8).hex()}.s123.{2**22 + 1}.0.tmp"  # (above pid_max: no such process)
+    named.write_bytes(b"half an entry")
+    dead.write_bytes(b"half an entry")
+    again = DiskTier(tmp_path, 1 << 30)
+    assert again.num_stale_tmp_removed == 1 and named.exists() and not dead.exists()
+    assert same(again.get(key(1), descriptor(1)), 1)
+    tier.check_integrity()
+
+
 def _other_version(k: bytes, desc, found: dict[str, torch.Tensor], sum_key: str = "kvpool.manifest_xxh3") -> bytes:
     """An entry as a kvpool of entry format 2 might write it."""
     manifest = json.dumps({"format": 2, "key": k.hex(), "descriptor": json.loads(desc.to_json()), "layout": "new"})
