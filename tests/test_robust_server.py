@@ -445,7 +445,7 @@ def test_a_prompt_of_token_ids_alone_in_a_list_is_one_prompt(server):
     flat = c.completions.create(prompt=ids, **kw)
     nested = c.completions.create(prompt=[ids], **kw)
     assert nested.choices[0].text == flat.choices[0].text and nested.usage.prompt_tokens == len(ids)
-    for prompt, needle in (([ids, ids], "one prompt per request"), ([[]], "prompt: empty"), ([[-1]], "vocabulary")):
+    for prompt, needle in (([ids, []], "prompt: prompt 1 is empty"), ([[]], "prompt: empty"), ([[-1]], "vocabulary")):
         r = httpx.post(f"{server}/v1/completions", json={"prompt": prompt}, headers=auth(), timeout=60)
         assert r.status_code == 400 and needle in r.json()["error"]["message"], (prompt, r.text)
         assert r.json()["error"]["param"] == "prompt", r.text

@@ -705,3 +705,84 @@ def test_continue_final_message_answers_on_from_the_last_messages_text(server):
     assert continued.json()["choices"][0]["message"]["content"] == done.json()["choices"][0]["text"]
     both = post(continue_final_message=True)  # add_generation_prompt left true: vLLM refuses the pair
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message", both.text
+
+
+def test_a_batch_of_prompts_gets_n_choices_each_prompt_by_prompt(server):
+    """prompt=["a", "b"] with n=2: four choices, index prompt * n + sample, each prompt's text
+    its own single greedy request's; usage the prompts' and the choices' sums; each prompt is
+    one engine request (the metrics count two, as a request with n=2 counts one)."""
+    c = client(server)
+    prompts = ["The capital city of France is", "Three primary colours are red,"]
+    kw = {"model": MODEL, "max_tokens": 5, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    alone = [c.completions.create(prompt=p, **kw) for p in prompts]
+    before = metrics(server)
+    batch = c.completions.create(prompt=prompts, n=2, logprobs=1, **kw)
+    after = metrics(server)
+    assert [ch.index for ch in batch.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in batch.choices] == [alone[i // 2].choices[0].text for i in range(4)]
+    assert all(ch.finish_reason == "length" and len(ch.logprobs.tokens) == 5 for ch in batch.choices)
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 20 == batch.usage.total_tokens - batch.usage.prompt_tokens
+    ttft = "kvpool_time_to_first_token_seconds_count"
+    assert after[ttft] == before[ttft] + 2
+    # streamed: each choice's chunks carry its index and join to the same text, each ends with
+    # its own finish_reason; then the usage chunk and [DONE]
+    stream = c.completions.create(prompt=prompts, n=2, stream=True, stream_options={"include_usage": True}, **kw)
+    texts: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    chunks = list(stream)
+    for chunk in chunks[:-1]:
+        assert chunk.usage is None and len(chunk.choices) == 1
+        ch = chunk.choices[0]
+        texts[ch.index] = texts.get(ch.index, "") + ch.text
+        if ch.finish_reason:
+            finishes.setdefault(ch.index, []).append(ch.finish_reason)
+    assert texts == {ch.index: ch.text for ch in batch.choices}
+    assert finishes == {i: ["length"] for i in range(4)}
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == batch.usage.prompt_tokens
+    # token-id lists
+    r = httpx.post(
+        f"{server}/v1/completions",
+        json={"prompt": [[504, 3875, 314], [504, 3875]], "max_tokens": 2, "temperature": 0, "ignore_eos": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [ch["index"] for ch in body["choices"]] == [0, 1] and body["usage"]["prompt_tokens"] == 5
+    assert cache_report(server)["num_requests"] == 0
+
+
+def test_a_bad_prompt_anywhere_in_a_batch_is_a_400_before_any_is_served(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    before = metrics(server)
+    for body, needle in (
+        ({"prompt": [[504, 3875], [-1]]}, "prompt[1]: token ids [-1] outside the vocabulary"),
+        ({"prompt": [[504], []]}, "prompt: prompt 1 is empty"),
+        ({"prompt": ["a", ""]}, "prompt"),
+        ({"prompt": ["a"] * 33, "n": 2}, "33 prompts x n=2 make 66 choices; at most 64 a request"),
+        ({"prompt": ["a", "b"], "echo": True}, "echo: not supported"),
+        ({"prompt": ["a", "b"], "max_tokens": 10**6}, "max_tokens"),
+    ):
+        r = httpx.post(f"{server}/v1/completions", json={**body, "model": MODEL}, headers=headers, timeout=60)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], (body, r.text)
+        assert r.json()["error"]["param"] in ("prompt", "echo", "max_tokens"), r.text
+    after = metrics(server)
+    ttft = "kvpool_time_to_first_token_seconds_count"
+    assert after[ttft] == before[ttft]  # nothing was submitted
+
+
+def test_a_batch_stream_the_client_leaves_aborts_every_prompt(server):
+    prompts = ["Once upon a time", "In a galaxy far away", "The recipe begins with"]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+    deadline = time.monotonic() + 30
+    while (report := cache_report(server))["num_requests"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert report["num_requests"] == 0 and report["num_used_blocks"] == 0, report

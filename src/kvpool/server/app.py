@@ -42,6 +42,7 @@ server stops, what is in flight is aborted: a stream ends with finish_reason "ab
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import random
@@ -315,7 +316,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             )
         return header or body.user or ""
 
-    def encode(text: str, field: str, rendered: bool = False) -> list[int]:
+    def encode(text: str, field: str, rendered: bool = False, param: str | None = None) -> list[int]:
         """The text's token ids (on a worker thread; `rendered`: a chat template's text, which
         writes its own special tokens). A text so long that even tokens of the
         longest kind would overflow the context gets its 400 without being tokenized (that
@@ -328,19 +329,22 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
                 400,  # (as OpenAI and vLLM: a 400 with code context_length_exceeded, not a 413)
                 f"{field}: the prompt's {num_bytes} bytes make at least {least} tokens (none spans more than "
                 f"{token_bound.max_token_bytes} bytes), more than this model's context of {limit} tokens holds",
-                field,
+                param or field,
                 "context_length_exceeded",
             )
         return state.tokenizer.encode_rendered(text) if rendered else state.tokenizer.encode(text)
 
-    def max_tokens_for(num_prompt: int, requested: int | None, chat: bool, param: str = "max_tokens") -> int:
-        """The request's max_tokens within the context; `param` names the field it came in."""
+    def max_tokens_for(
+        num_prompt: int, requested: int | None, chat: bool, param: str = "max_tokens", where: str | None = None
+    ) -> int:
+        """The request's max_tokens within the context; `param` names the field it came in,
+        `where` the prompt (a batch's: "prompt[1]")."""
         limit = state.max_model_len
         if num_prompt >= limit:
             field = "messages" if chat else "prompt"
             raise APIError(
                 400,
-                f"{field}: the prompt's {num_prompt} tokens do not fit this model's context of {limit} tokens "
+                f"{where or field}: the prompt's {num_prompt} tokens do not fit this model's context of {limit} tokens "
                 f"(at most {limit - 1} prompt tokens, leaving room for one output token)",
                 field,
                 "context_length_exceeded",
@@ -385,22 +389,31 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     async def completions(request: Request) -> Response:
         body: CompletionRequest
         body, tenant = await accept(request, CompletionRequest)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # (one prompt in a list: the protocol refused several)
+        prompts = body.prompts
+        # every prompt is checked before any is submitted: a bad one anywhere is the 400
+        batch = [await asyncio.to_thread(prompt_ids_of, prompts, i) for i in range(len(prompts))]
+        where = [f"prompt[{i}]" if len(prompts) > 1 else None for i in range(len(prompts))]
+        params = [
+            sampling(body, max_tokens_for(len(ids), body.max_tokens, chat=False, where=at), body.logprobs)
+            for ids, at in zip(batch, where, strict=True)
+        ]
+        return await serve(request, body, "cmpl", batch, params, tenant, chat=False)
+
+    def prompt_ids_of(prompts: list[str] | list[list[int]], i: int) -> list[int]:
+        """The token ids of the batch's prompt `i`, or the 400 naming it ("prompt[i]" in a batch)."""
+        at = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+        prompt = prompts[i]
         if isinstance(prompt, str):
-            prompt_ids = await asyncio.to_thread(encode, prompt, "prompt")
+            prompt_ids = encode(prompt, at, param="prompt")
         else:
             vocab = state.engine.engine.runner.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise APIError(400, f"prompt: token ids {bad[:5]} outside the vocabulary [0, {vocab})", "prompt")
+                raise APIError(400, f"{at}: token ids {bad[:5]} outside the vocabulary [0, {vocab})", "prompt")
             prompt_ids = list(prompt)
         if not prompt_ids:
-            raise APIError(400, "prompt: encodes to no tokens", "prompt")
-        max_tokens = max_tokens_for(len(prompt_ids), body.max_tokens, chat=False)
-        params = sampling(body, max_tokens, body.logprobs)
-        return await serve(request, body, "cmpl", prompt_ids, params, tenant, chat=False)
+            raise APIError(400, f"{at}: encodes to no tokens", "prompt")
+        return prompt_ids
 
     def encode_chat(body: ChatCompletionRequest) -> list[int]:
         try:
@@ -436,44 +449,68 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         max_tokens = max_tokens_for(len(prompt_ids), body.requested_max_tokens, chat=True, param=named)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling(body, max_tokens, logprobs)
-        return await serve(request, body, "chatcmpl", prompt_ids, params, tenant, chat=True)
+        return await serve(request, body, "chatcmpl", [prompt_ids], [params], tenant, chat=True)
 
     async def serve(
         request: Request,
         body: protocol.SamplingRequest,
         prefix: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
+        batch: list[list[int]],
+        params: list[SamplingParams],
         tenant: str,
         chat: bool,
     ) -> Response:
+        """Serves one prompt, or a batch: one engine request a prompt (`batch[i]` with
+        `params[i]`), their events merged into one response (_Merged)."""
         engine = state.engine
         request_id = engine.new_request_id(prefix)
+        # the engine's ids: the response's own for one prompt, "ID-i" for the batch's prompt i
+        request_ids = [request_id] if len(batch) == 1 else [f"{request_id}-{i}" for i in range(len(batch))]
+        queues: list[asyncio.Queue[Event]] = []
         try:
-            events = engine.submit(request_id, prompt_ids, params, tenant)
+            for rid, prompt_ids, one in zip(request_ids, batch, params, strict=True):
+                queues.append(engine.submit(rid, prompt_ids, one, tenant))
         except RuntimeError as error:
+            for rid in request_ids[: len(queues)]:  # (the engine stopped: a no-op where it has)
+                try:
+                    engine.abort(rid)
+                except RuntimeError:
+                    pass
             raise _not_running(state, error) from None
         token_bytes = getattr(engine, "token_bytes", None)
         context_of = getattr(token_bytes, "context", None)  # (a TokenBytes: SentencePiece-style, a context)
-        context, num_cut = context_of(prompt_ids, len(prompt_ids)) if context_of is not None else ([], 0)
+        contexts = []
+        for prompt_ids in batch:
+            context, num_cut = context_of(prompt_ids, len(prompt_ids)) if context_of is not None else ([], 0)
+            contexts.append(
+                (
+                    bool(context),
+                    b"".join(token_bytes(t) for t in context[num_cut:]) if context_of is not None else b"",
+                    token_bytes(context[num_cut - 1])
+                    if num_cut and context[num_cut - 1] in token_bytes.byte_tokens
+                    else b"",
+                )
+            )
+        n = params[0].n
         shape = _Shape(
             request_id,
             state.model_name,
             chat,
             token_text,
-            params.logprobs is not None,
+            params[0].logprobs is not None,
             body.include_usage,
-            bool(context),
-            b"".join(token_bytes(t) for t in context[num_cut:]) if context_of is not None else b"",
-            token_bytes(context[num_cut - 1]) if num_cut and context[num_cut - 1] in token_bytes.byte_tokens else b"",
+            *contexts[0],
+            contexts=contexts,
+            n=n,
         )
+        events: asyncio.Queue[Event] | _Merged = queues[0] if len(queues) == 1 else _Merged(queues, n)
         if body.stream:
             return StreamingResponse(
-                _stream(engine, request_id, events, shape, body.include_usage),
+                _stream(engine, request_ids, events, shape, body.include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await _complete(engine, request, request_id, events, shape, params.n)
+        return await _complete(engine, request, request_ids, events, shape, n)
 
     return app
 
@@ -508,6 +545,8 @@ class _Shape:
         after_prompt: bool = False,
         carried: bytes = b"",
         cut: bytes = b"",
+        contexts: list[tuple[bool, bytes, bytes]] | None = None,
+        n: int = 1,
     ) -> None:
         self.id, self.model, self.chat, self.tt, self.logprobs = request_id, model, chat, token_text, logprobs
         # the samples' text is decoded after the prompt's last tokens (TokenBytes.context):
@@ -515,6 +554,8 @@ class _Shape:
         # character the prompt leaves open, the samples' text's first; `cut`: the byte of the
         # cut context token that run starts with (TextOffsets)
         self.after_prompt, self.carried, self.cut = after_prompt, carried, cut
+        # a batch's: prompt i's (after_prompt, carried, cut), for its choices i * n .. i * n + n - 1
+        self.contexts, self.n = contexts or [(after_prompt, carried, cut)], n
         self.include_usage = include_usage
         self.created = protocol.now()
         self.object = "chat.completion" if chat else "text_completion"
@@ -528,7 +569,7 @@ class _Shape:
         offsets = self.text_offsets.get(delta.index)
         if offsets is None:
             offsets = self.text_offsets[delta.index] = protocol.TextOffsets(
-                self.tt, self.after_prompt, self.carried, self.cut
+                self.tt, *self.contexts[delta.index // self.n]
             )
         return protocol.completion_logprobs(delta.logprobs, delta.token_ids, self.tt, offsets)
 
@@ -599,7 +640,11 @@ def _sse(data: dict[str, Any] | str) -> bytes:
 
 
 async def _stream(
-    engine: EngineThread, request_id: str, events: asyncio.Queue[Event], shape: _Shape, include_usage: bool
+    engine: EngineThread,
+    request_ids: list[str],
+    events: asyncio.Queue[Event] | _Merged,
+    shape: _Shape,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
     started: set[int] = set()
     done = False
@@ -619,20 +664,24 @@ async def _stream(
                 return
             else:
                 assert isinstance(event, Failed)
-                done = True
+                done = len(request_ids) == 1  # (a batch's other prompts are aborted below)
                 yield _sse(_failure(event).body())
                 yield _sse("[DONE]")
                 return
     finally:
+        if isinstance(events, _Merged):
+            events.close()
         if not done:  # the client went away (or the server is stopping): free its cache now
-            try:
-                engine.abort(request_id)
-            except RuntimeError:
-                pass  # the engine has stopped and released everything itself
+            _abort(engine, request_ids)
 
 
 async def _complete(
-    engine: EngineThread, request: Request, request_id: str, events: asyncio.Queue[Event], shape: _Shape, n: int
+    engine: EngineThread,
+    request: Request,
+    request_ids: list[str],
+    events: asyncio.Queue[Event] | _Merged,
+    shape: _Shape,
+    n: int,
 ) -> Response:
     texts: dict[int, list[str]] = {}
     deltas: dict[int, list[Delta]] = {}
@@ -643,10 +692,7 @@ async def _complete(
             finished, _ = await asyncio.wait({getter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
             if getter not in finished:
                 getter.cancel()
-                try:
-                    engine.abort(request_id)
-                except RuntimeError:
-                    pass  # the engine has stopped and released everything itself
+                _abort(engine, request_ids)
                 return Response(status_code=499)  # nobody reads it
             event = getter.result()
             if isinstance(event, Delta):
@@ -665,9 +711,74 @@ async def _complete(
                 return JSONResponse(shape.response(event.output, texts, deltas))
             else:
                 assert isinstance(event, Failed)
+                if len(request_ids) > 1:  # a batch's other prompts are not served either
+                    _abort(engine, request_ids)
                 raise _failure(event)
     finally:
         disconnected.cancel()
+        if isinstance(events, _Merged):
+            events.close()
+
+
+def _abort(engine: EngineThread, request_ids: list[str]) -> None:
+    """Cancels the requests (each a no-op once it has finished)."""
+    for request_id in request_ids:
+        try:
+            engine.abort(request_id)
+        except RuntimeError:
+            return  # the engine has stopped and released everything itself
+
+
+@dataclass
+class _BatchOutput:
+    """A batch's outputs as one: what the response and its usage read of a RequestOutput.
+    The choices prompt by prompt; the prompts' tokens (their sum is the usage's) and cached
+    tokens summed."""
+
+    prompt_token_ids: list[int]
+    completions: list[Any]
+    num_cached_tokens: int
+
+
+class _Merged:
+    """The events of a batch's requests (one a prompt, n samples each) as one request's: a
+    Delta's index becomes prompt * n + sample; one Finished when every prompt has finished
+    (a _BatchOutput), or the first Failed. `get` as a queue's; `close` ends the forwarding."""
+
+    def __init__(self, queues: list[asyncio.Queue[Event]], n: int) -> None:
+        self.n = n
+        self.merged: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.outputs: list[Any] = [None] * len(queues)
+        self.tasks = [asyncio.ensure_future(self._forward(i, q)) for i, q in enumerate(queues)]
+
+    async def _forward(self, i: int, queue: asyncio.Queue[Event]) -> None:
+        while True:
+            event = await queue.get()
+            self.merged.put_nowait((i, event))
+            if not isinstance(event, Delta):
+                return
+
+    async def get(self) -> Event:
+        while True:
+            i, event = await self.merged.get()
+            if isinstance(event, Delta):
+                return dataclasses.replace(event, index=i * self.n + event.index)
+            if isinstance(event, Failed):
+                return event
+            assert isinstance(event, Finished)
+            self.outputs[i] = event.output
+            if all(out is not None for out in self.outputs):
+                return Finished(
+                    _BatchOutput(  # type: ignore[arg-type]
+                        [t for out in self.outputs for t in out.prompt_token_ids],
+                        [c for out in self.outputs for c in out.completions],
+                        sum(out.num_cached_tokens for out in self.outputs),
+                    )
+                )
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
 
 
 def _failure(event: Failed) -> APIError:

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from kvpool.models.tokenizer import ChatTokenizer
 
 MAX_N = 16  # samples per request
+# choices per completions request: prompts x n (each prompt is one engine request with n
+# samples); it bounds what one request can make the engine hold
+MAX_CHOICES = 64
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat
@@ -213,8 +216,8 @@ class SamplingRequest(NullIsDefault):
 
 
 class CompletionRequest(SamplingRequest):
-    # one prompt: text, token ids, or either alone in a list (the shape a client sends for a
-    # batch of one: the openai client takes `[[1, 2, 3]]` as it takes `["text"]`)
+    # one prompt (text or token ids), or a batch of them (a list of texts, a list of token-id
+    # lists): each prompt gets n choices, prompt by prompt (choice index = prompt * n + sample)
     prompt: NonEmpty | list[int] | list[NonEmpty] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1)  # None: OpenAI's 16, fewer where the context ends first
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
@@ -232,10 +235,15 @@ class CompletionRequest(SamplingRequest):
         if isinstance(prompt, list):
             if not prompt:
                 raise ValueError("prompt: empty")
-            if isinstance(prompt[0], str | list) and len(prompt) != 1:
-                raise ValueError("prompt: one prompt per request (a list of several is not supported)")
-            if isinstance(prompt[0], list) and not prompt[0]:
-                raise ValueError("prompt: empty")
+            if isinstance(prompt[0], str | list):
+                for i, one in enumerate(prompt):
+                    if not one:
+                        raise ValueError(f"prompt: prompt {i} is empty" if len(prompt) > 1 else "prompt: empty")
+                if len(prompt) * self.n > MAX_CHOICES:
+                    raise ValueError(
+                        f"prompt: {len(prompt)} prompts x n={self.n} make {len(prompt) * self.n} choices; "
+                        f"at most {MAX_CHOICES} a request"
+                    )
         if self.echo:
             raise ValueError("echo: not supported by kvpool serve")
         if self.suffix:
@@ -243,6 +251,16 @@ class CompletionRequest(SamplingRequest):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: not supported by kvpool serve (only best_of == n)")
         return self
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The request's prompts: one, or the batch's in order."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], str | list):
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
 
 
 class ContentPart(BaseModel):
