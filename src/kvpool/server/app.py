@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over one EngineThread (FastAPI; uvicorn serves it).
 
   GET  /v1/models              the served model
-  POST /v1/completions         text in (or token ids), text out; stream: true for SSE
+  POST /v1/completions         text in (or token ids, or a batch of prompts: one engine request
+                               each, choices prompt * n + sample), text out; stream: true for SSE
   POST /v1/chat/completions    messages in, rendered with the GGUF's chat template
   GET  /health                 200 while the engine thread runs, 503 otherwise
   GET  /metrics                Prometheus text format (server/metrics.py)
