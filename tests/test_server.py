@@ -714,7 +714,14 @@ def test_a_batch_of_prompts_gets_n_choices_each_prompt_by_prompt(server):
     c = client(server)
     prompts = ["The capital city of France is", "Three primary colours are red,"]
     kw = {"model": MODEL, "max_tokens": 5, "temperature": 0, "extra_body": {"ignore_eos": True}}
-    alone = [c.completions.create(prompt=p, **kw) for p in prompts]
+    alone = [c.completions.create(prompt=p, logprobs=2, **kw) for p in prompts]
+    # the batch computes these prompts in other shapes than alone (two prompts a step, their
+    # prefixes cached): its greedy tokens equal theirs on any CPU only where no step's best two
+    # logprobs are within fp32 rounding of a tie, far below 1e-3 here (checked, not assumed)
+    for one in alone:
+        for top in one.choices[0].logprobs.top_logprobs:
+            best, second = sorted(top.values(), reverse=True)[:2]
+            assert best - second > 1e-3, (one.choices[0].text, top)
     before = metrics(server)
     batch = c.completions.create(prompt=prompts, n=2, logprobs=1, **kw)
     after = metrics(server)
