@@ -675,17 +675,24 @@ def test_a_multimodal_block_past_entry_bytes_is_refused_and_said(tmp_path) -> No
     tier.check_integrity()
 
 
-def test_a_foreign_file_whose_name_is_not_an_entrys_is_left_alone(tmp_path) -> None:
-    """Copies of an entry under names that parse as hex but are no entry's (upper case, a
-    space: bytes.fromhex takes both) are foreign files: not indexed, not counted, not
-    evicted. They were indexed: check_integrity failed on them, and the upper-case copy
-    took the real entry's index slot, so one of the two files was never counted."""
+def _entry_with_foreign_copies(tmp_path):
+    """A tier holding one entry, and two copies of its file under names that parse as hex but
+    are no entry's (upper case, a space: bytes.fromhex takes both). -> (the tier, the entry's path)"""
     tier = DiskTier(tmp_path, 1 << 30)
     tier.put(key(0xAB), descriptor(0xAB), tensors(0xAB, 64))
     assert tier.flush(30)
     path = stored(tier, 0xAB)
     shutil.copy(path, path.with_name(path.name.upper().replace("SAFETENSORS", "safetensors")))
     shutil.copy(path, path.with_name("ab cd.safetensors"))
+    return tier, path
+
+
+def test_a_foreign_file_whose_name_is_not_an_entrys_is_left_alone(tmp_path) -> None:
+    """Copies of an entry under names that parse as hex but are no entry's (upper case, a
+    space: bytes.fromhex takes both) are foreign files: not indexed, not counted, not
+    evicted. They were indexed: check_integrity failed on them, and the upper-case copy
+    took the real entry's index slot, so one of the two files was never counted."""
+    tier, path = _entry_with_foreign_copies(tmp_path)
     again = DiskTier(tmp_path, 1 << 30)
     again.check_integrity()
     assert again.num_entries == 1 and again.num_bytes == path.stat().st_size
@@ -1519,12 +1526,7 @@ def test_cache_ls_and_stats_count_only_what_the_tier_reads_as_an_entry(tmp_path,
     that is no hex showed Python's fromhex error. Now both are unreadable, saying why."""
     from kvpool.cli.main import main
 
-    tier = DiskTier(tmp_path, 1 << 30)
-    tier.put(key(0xAB), descriptor(0xAB), tensors(0xAB, 64))
-    assert tier.flush(30)
-    path = stored(tier, 0xAB)
-    shutil.copy(path, path.with_name(path.name.upper().replace("SAFETENSORS", "safetensors")))
-    shutil.copy(path, path.with_name("ab cd.safetensors"))
+    tier, path = _entry_with_foreign_copies(tmp_path)
     (path.parent / "zz.safetensors").write_bytes(b"x")
     tier.close()
     assert DiskTier(tmp_path, 1 << 30).num_entries == 1  # (the tier's count, the reference)

@@ -225,10 +225,22 @@ def test_a_body_that_is_not_an_object_is_named_in_json_words():
         assert caught.value.message == f"the body must be a JSON object, got {kind}", (raw, caught.value.message)
 
 
+def _refused_unless_neutral(model, body: dict, name: str, asked: object, neutral: object) -> None:
+    """`name` set to `asked` is a 400 naming it; its neutral value, and null (its default), are served."""
+    from kvpool.server.protocol import APIError, parse_body
+
+    with pytest.raises(APIError) as caught:
+        parse_body(json.dumps({**body, name: asked}).encode(), model)
+    assert (caught.value.status, caught.value.param) == (400, name), caught.value.message
+    assert caught.value.message.startswith(f"{name}: not supported by kvpool serve"), caught.value.message
+    for value in (neutral, None):
+        parse_body(json.dumps({**body, name: value}).encode(), model)
+
+
 def test_vllms_sampling_extensions_are_refused_unless_neutral_not_ignored():
     """A client written for vLLM sends repetition_penalty, min_p, min_tokens, guided_json...:
     they were unknown fields, ignored, and the tokens were not the ones asked for."""
-    from kvpool.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+    from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest
 
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     for name, asked, neutral in (
@@ -250,12 +262,7 @@ def test_vllms_sampling_extensions_are_refused_unless_neutral_not_ignored():
         ("guided_grammar", "root ::= 'a'", None),
     ):
         for model, body in ((CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, chat)):
-            with pytest.raises(APIError) as caught:
-                parse_body(json.dumps({**body, name: asked}).encode(), model)
-            assert (caught.value.status, caught.value.param) == (400, name), caught.value.message
-            assert caught.value.message.startswith(f"{name}: not supported by kvpool serve"), caught.value.message
-            for value in (neutral, None):  # the neutral value, and null (its default), are served
-                parse_body(json.dumps({**body, name: value}).encode(), model)
+            _refused_unless_neutral(model, body, name, asked, neutral)
 
 
 def test_vllms_prompt_and_output_extensions_are_refused_unless_neutral_not_ignored():
@@ -281,12 +288,7 @@ def test_vllms_prompt_and_output_extensions_are_refused_unless_neutral_not_ignor
     ]
     for endpoints, name, asked, neutral in cases:
         for model, body in endpoints:
-            with pytest.raises(APIError) as caught:
-                parse_body(json.dumps({**body, name: asked}).encode(), model)
-            assert (caught.value.status, caught.value.param) == (400, name), caught.value.message
-            assert caught.value.message.startswith(f"{name}: not supported by kvpool serve"), caught.value.message
-            for value in (neutral, None):  # the neutral value, and null (its default), are served
-                parse_body(json.dumps({**body, name: value}).encode(), model)
+            _refused_unless_neutral(model, body, name, asked, neutral)
     for model, body in (chat, completion):
         streamed = {**body, "stream": True}
         with pytest.raises(APIError) as caught:
