@@ -500,9 +500,8 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             token_text,
             params[0].logprobs is not None,
             body.include_usage,
-            *contexts[0],
-            contexts=contexts,
-            n=n,
+            contexts,
+            n,
         )
         events: asyncio.Queue[Event] | _Merged = queues[0] if len(queues) == 1 else _Merged(queues, n)
         if body.stream:
@@ -543,20 +542,16 @@ class _Shape:
         token_text: TokenText,
         logprobs: bool,
         include_usage: bool = False,
-        after_prompt: bool = False,
-        carried: bytes = b"",
-        cut: bytes = b"",
         contexts: list[tuple[bool, bytes, bytes]] | None = None,
         n: int = 1,
     ) -> None:
         self.id, self.model, self.chat, self.tt, self.logprobs = request_id, model, chat, token_text, logprobs
-        # the samples' text is decoded after the prompt's last tokens (TokenBytes.context):
-        # the decoder's first-space strip does not apply to it; `carried`: the bytes of a
-        # character the prompt leaves open, the samples' text's first; `cut`: the byte of the
-        # cut context token that run starts with (TextOffsets)
-        self.after_prompt, self.carried, self.cut = after_prompt, carried, cut
-        # a batch's: prompt i's (after_prompt, carried, cut), for its choices i * n .. i * n + n - 1
-        self.contexts, self.n = contexts or [(after_prompt, carried, cut)], n
+        # prompt i's (after_prompt, carried, cut) for its choices i * n .. i * n + n - 1 (one
+        # prompt's, or a batch's): the samples' text is decoded after the prompt's last tokens
+        # (TokenBytes.context), so the decoder's first-space strip does not apply to it;
+        # `carried`: the bytes of a character the prompt leaves open, the samples' text's
+        # first; `cut`: the byte of the cut context token that run starts with (TextOffsets)
+        self.contexts, self.n = contexts or [(False, b"", b"")], n
         self.include_usage = include_usage
         self.created = protocol.now()
         self.object = "chat.completion" if chat else "text_completion"
