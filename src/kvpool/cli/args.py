@@ -75,7 +75,7 @@ def request_seed_int(text: str) -> int:
     """A request's sampling seed (`generate --seed`): a 64-bit signed integer, [-2**63, 2**63),
     what `SamplingParams(seed=)`, serve's `seed` and `LLM` take (engine/sampling.py SEED_MIN,
     SEED_MAX: OpenAI's and vLLM's API range), every value a fixed seed, -1 too (not llama.cpp's
-    or vLLM's "-1 = random": one rule for every entry point)."""
+    "-1 = random": one rule for every entry point)."""
     return parsed_number(text, int, lambda v: -(2**63) <= v < 2**63, "a 64-bit signed integer, in [-2**63, 2**63)")
 
 
