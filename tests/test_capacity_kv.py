@@ -40,14 +40,23 @@ def test_fp8_halves_gqa_and_counts_per_tensor_scales() -> None:
     assert fp8.fixed_scale_bytes == 32 * 8  # one fp32 k_scale + v_scale per layer
 
 
-def test_mla_latent_and_fp8_serving_format() -> None:
+def test_mla_latent_and_fp8_formats() -> None:
     v3 = load_preset("deepseek-v3")
     assert kv_layout(v3, "bf16").bytes_per_token == 61 * (512 + 64) * 2
+    # Dense MLA (V2 / V3) in fp8: the 576-dim latent + rope vector in E4M3, one byte a value,
+    # with one fp32 per-tensor scale a layer (vLLM's MLA page: block x 576 x 1 B; SGLang's
+    # the same). The 656 B layout (512 FP8 + 4 fp32 scales + 64 BF16 rope dims) is the sparse
+    # FlashMLA kernels' format, V3.2's (and V4's): V3 planned 656 B, 14 % over.
     fp8 = kv_layout(v3, "fp8")
-    # 512 FP8 + 4 fp32 scales + 64 BF16 rope dims = 656 B per layer
     (latent,) = fp8.groups
-    assert latent.data_bytes_per_entry == 512 + 128 and latent.scale_bytes_per_entry == 16
-    assert fp8.bytes_per_token == 61 * 656
+    assert (latent.data_bytes_per_entry, latent.scale_bytes_per_entry) == (576, 0)
+    assert fp8.bytes_per_token == 61 * 576 == 35_136
+    assert fp8.fixed_scale_bytes == 61 * 4
+    # a block of 64 tokens: 64 x 576 = 36,864 B a layer, already 256-aligned
+    assert fp8.bytes_per_block_all_groups == 61 * 64 * 576
+    # V3.2's sparse format keeps the 656 B entry, its scales in it
+    (v32_latent, _) = kv_layout(load_preset("deepseek-v3.2"), "fp8").groups
+    assert (v32_latent.data_bytes_per_entry, v32_latent.scale_bytes_per_entry) == (512 + 128, 16)
 
 
 def test_v3_2_adds_a_132_byte_indexer_key() -> None:

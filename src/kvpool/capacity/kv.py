@@ -5,8 +5,10 @@ variants:
 - MHA / GQA / MQA: 2 * layers * kv_heads * head_dim * bytes (K and V);
 - sliding-window layers: the same per token, but a request keeps at most `window` tokens;
 - MLA (DeepSeek-V3 / V3.2): one latent of kv_lora_rank + rope dims per token, no V copy;
-  the FP8 serving format (FlashMLA) is 512 FP8 + 4 fp32 scales + 64 BF16 rope = 656 B;
-  V3.2 adds one Lightning-Indexer key per token (FP8: 128 + 4 scale bytes = 132 B);
+  in FP8, dense MLA (V2 / V3) stores that vector in E4M3 with one fp32 scale per layer
+  (576 B; vLLM's and SGLang's fp8 MLA cache), while V3.2's sparse FlashMLA kernels read
+  their own format, 512 FP8 + 4 fp32 scales + 64 BF16 rope = 656 B; V3.2 adds one
+  Lightning-Indexer key per token (FP8: 128 + 4 scale bytes = 132 B);
 - DeepSeek-V4: the classical pool (compressed CSA / HCA entries and indexer keys, only
   complete `lcm(m, m')`-token blocks) plus one fixed-size state block per request (SWA
   window + compressor tails), both taken from `kvpool.spec.dsv4`.
@@ -304,15 +306,35 @@ def _indexer_key_bytes(head_dim: int, fmt: str) -> tuple[float, float]:
 def _mla_layout(model: ModelSpec, dtype: str, q: int, tp: int, idx_fmt: str, alignment: int) -> KVLayout:
     mla = model.mla
     assert mla is not None
-    if dtype == "fp8":
-        # FlashMLA FP8: the kv_lora_rank part in FP8 with one fp32 scale per 128 values, the
-        # rope part kept in BF16: 512 + 16 + 128 = 656 B.
+    fixed_scales = 0
+    if dtype == "fp8" and model.indexer is not None:
+        # V3.2's sparse FlashMLA FP8 layout: the kv_lora_rank part in FP8 with one fp32 scale
+        # per 128 values, the rope part kept in BF16: 512 + 16 + 128 = 656 B.
         data = mla.kv_lora_rank + 2 * mla.qk_rope_head_dim
         scales = 4 * math.ceil(mla.kv_lora_rank / 128)
+    elif dtype == "fp8":
+        # Dense MLA (V2 / V3): the whole latent + rope vector in E4M3, one byte a value, and
+        # one fp32 per-tensor scale a layer (the latent is one tensor): 576 B for V3. The 656 B
+        # layout is the sparse kernels' alone; V3 planned it, 14 % over what engines store.
+        data = mla.kv_lora_rank + mla.qk_rope_head_dim
+        scales = 0
+        fixed_scales = 4
     else:
         data = (mla.kv_lora_rank + mla.qk_rope_head_dim) * dtype_bytes(_STORAGE_DTYPE[dtype])
         scales = 0
-    groups = [PageGroup("mla-latent", model.num_layers, q, 1, data, scales, alignment=alignment, replicated=True)]
+    groups = [
+        PageGroup(
+            "mla-latent",
+            model.num_layers,
+            q,
+            1,
+            data,
+            scales,
+            fixed_scale_bytes=fixed_scales,
+            alignment=alignment,
+            replicated=True,
+        )
+    ]
     if model.indexer is not None:
         idx_data, idx_scales = _indexer_key_bytes(model.indexer.head_dim, idx_fmt)
         groups.append(

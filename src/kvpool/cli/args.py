@@ -389,8 +389,8 @@ def planner_kv_dtype(value: str) -> str:
 
 
 PLANNER_KV_DTYPE_HELP = (
-    "auto (the model's serving dtype), bf16, fp16, fp32, fp8 (vLLM's per-tensor scales for GQA; FlashMLA's and "
-    "DeepSeek-V4's layouts for MLA / V4), or kvpool's own GQA / MHA formats: "
+    "auto (the model's serving dtype), bf16, fp16, fp32, fp8 (vLLM's per-tensor scales for GQA and dense MLA; the "
+    "sparse FlashMLA layout for V3.2, DeepSeek-V4's for V4), or kvpool's own GQA / MHA formats: "
     + ", ".join(n for n in KV_SCHEMAS if n not in ("fp32", "bf16", "fp16"))
     + " (KIVI's G and R may follow: kivi2-g16-r64)"
 )
