@@ -265,7 +265,7 @@ def test_a_pd_instance_that_does_not_fit_says_so_and_exits_1(capsys: pytest.Capt
     argv = ["plan", "--model", "llama-3.1-70b", "-tp", "8", "--context", "8192", "--pd", "1,8"]
     assert main(argv) == 1
     out = capsys.readouterr().out
-    assert "does not fit: the prefill instance (1 GPU) cannot hold one request of 4,096 tokens" in out
+    assert "does not fit: the prefill instance (1 GPU) has no room for a KV pool" in out
     assert "decode instance" not in out
     assert main([*argv, "--json"]) == 1
     pd = json.loads(capsys.readouterr().out)["pd"]
@@ -504,3 +504,28 @@ def test_more_requests_than_the_pool_holds_at_one_token_are_refused(capsys, num_
         f"{out['kv_pool_bytes_per_gpu'] / 2**30:,.2f} GiB per GPU hold at most {per_gpu:,} requests of one token "
         f"({int(one_block):,} B each: a block of every group), {most:,} over {replicas}; ask for {most:,} or fewer\n"
     )
+
+
+def test_a_model_whose_weights_leave_no_pool_is_told_so(capsys: pytest.CaptureFixture[str]) -> None:
+    # Llama-3.1-70B's weights alone, 70,553,706,496 x 2 B = 131.42 GiB, pass one H100's 81,559 MiB
+    # (79.65 GiB): the plan said "the KV pool cannot hold one request at this context", and a
+    # shorter context cannot help. The ledger's other terms: weights 131.42 GiB + workspace,
+    # graph, allocator and transient lines + block tables (no pool) = the total it prints.
+    assert main(["plan", "--model", "llama-3.1-70b", "--gpu", "h100", "--context", "8192"]) == 1
+    out = capsys.readouterr().out
+    assert "cannot hold one request" not in out
+    assert (
+        "does not fit: the ledger without a KV pool is 135.69 GiB, more than the GPU's 79.65 GiB "
+        "(its largest term: weights, 131.42 GiB): no context fits"
+    ) in " ".join(out.split())
+    # a ledger filled by another term names that one: 10**6 running requests' copy-on-write
+    # reserve, a block each of 16 x 131,072 B, is 2,097,152,000,000 B = 1,953.12 GiB of transient
+    # (beside 955.58 GiB of fp32 sampler rows, 2 x 10**6 x 128,256 x 4 B, in the workspace)
+    argv = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "8192", "--max-num-seqs", "1000000"]
+    assert main(argv) == 1
+    assert "(its largest term: transient, 1,953.12 GiB)" in " ".join(capsys.readouterr().out.split())
+    # the same for a P/D side whose GPUs the weights fill
+    argv = ["plan", "--model", "llama-3.1-70b", "-tp", "8", "--context", "8192", "--pd", "1,8"]
+    assert main(argv) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "does not fit: the prefill instance (1 GPU) has no room for a KV pool: the rest of its ledger" in out

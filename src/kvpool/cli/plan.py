@@ -391,9 +391,13 @@ def _print_pd(pd: dict[str, object]) -> None:
         s = pd[side]
         if not s["fits"]:
             gpus = f"{s['gpus']} GPU{'s' if s['gpus'] > 1 else ''}"
+            why = (
+                "has no room for a KV pool: the rest of its ledger (weights first) fills its GPUs"
+                if s["kv_pool_bytes_per_gpu"] <= 0
+                else f"cannot hold one request of {s['tokens_held']:,} tokens"
+            )
             console.print(
-                f"[bold red]does not fit: the {side} instance ({gpus}) cannot hold one request of "
-                f"{s['tokens_held']:,} tokens[/]",
+                f"[bold red]does not fit: the {side} instance ({gpus}) {why}[/]",
                 soft_wrap=True,  # one line, whatever the terminal's width
             )
     print(f"a request's prompt moves {pd['transfer_bytes_per_request'] / (1 << 20):,.1f} MiB of KV, prefill -> decode")
@@ -517,11 +521,18 @@ def print_plan(p: Plan) -> None:
     if not p.fits:
         # kvpool's CPU engine takes --kv-memory whatever the machine holds: its ledger can pass
         # the RAM with a pool that holds requests (a GPU's pool is what the other terms leave)
-        why = (
-            f"the ledger's {_gib(p.ledger.total)} is more than this machine's {_gib(cap)} of RAM"
-            if on_cpu and p.ledger.total > cap
-            else "the KV pool cannot hold one request at this context"
-        )
+        if on_cpu and p.ledger.total > cap:
+            why = f"the ledger's {_gib(p.ledger.total)} is more than this machine's {_gib(cap)} of RAM"
+        elif p.ledger.pool_bytes <= 0:
+            # the other terms fill the GPU: no context fits ("cannot hold one request at this
+            # context" sent the user to shorten a context that was never the cause)
+            largest = max((t for t in p.ledger.terms if t != "kv_pool"), key=p.ledger.terms.__getitem__)
+            why = (
+                f"the ledger without a KV pool is {_gib(p.ledger.total)}, more than the GPU's {_gib(cap)} "
+                f"(its largest term: {largest}, {_gib(p.ledger.terms[largest])}): no context fits"
+            )
+        else:
+            why = "the KV pool cannot hold one request at this context"
         console.print(f"[bold red]does not fit: {why}[/]", soft_wrap=True)
 
 
