@@ -515,7 +515,7 @@ def test_a_model_whose_weights_leave_no_pool_is_told_so(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "cannot hold one request" not in out
     assert (
-        "does not fit: the ledger without a KV pool is 135.69 GiB, more than the GPU's 79.65 GiB "
+        "does not fit: the ledger without a KV pool is 135.69 GiB, more than its capacity, 79.65 GiB "
         "(its largest term: weights, 131.42 GiB): no context fits"
     ) in " ".join(out.split())
     # a ledger filled by another term names that one: 10**6 running requests' copy-on-write

@@ -528,7 +528,7 @@ def print_plan(p: Plan) -> None:
             # context" sent the user to shorten a context that was never the cause)
             largest = max((t for t in p.ledger.terms if t != "kv_pool"), key=p.ledger.terms.__getitem__)
             why = (
-                f"the ledger without a KV pool is {_gib(p.ledger.total)}, more than the GPU's {_gib(cap)} "
+                f"the ledger without a KV pool is {_gib(p.ledger.total)}, more than its capacity, {_gib(cap)} "
                 f"(its largest term: {largest}, {_gib(p.ledger.terms[largest])}): no context fits"
             )
         else:
