@@ -529,3 +529,14 @@ def test_a_model_whose_weights_leave_no_pool_is_told_so(capsys: pytest.CaptureFi
     assert main(argv) == 1
     out = " ".join(capsys.readouterr().out.split())
     assert "does not fit: the prefill instance (1 GPU) has no room for a KV pool: the rest of its ledger" in out
+
+
+def test_the_title_names_the_gpus_size_and_the_planned_share(capsys: pytest.CaptureFixture[str]) -> None:
+    # An H100 is 81,559 MiB = 79.65 GiB; at --gpu-memory-utilization 0.9 the plan has
+    # int(85,520,809,984 x 0.9) = 76,968,728,985 B = 71.68 GiB, which the title called the H100's size
+    argv = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "8192"]
+    assert main([*argv, "--gpu-memory-utilization", "0.9"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "llama-3.1-8b on 1 x H100 (79.6 GiB, 90 % planned: 71.7 GiB), TP 1" in out
+    assert main(argv) == 0  # the whole GPU: as before
+    assert "llama-3.1-8b on 1 x H100 (79.6 GiB), TP 1" in " ".join(capsys.readouterr().out.split())

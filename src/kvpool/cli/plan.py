@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
             extra = ({"hisparse": hisparse} if hisparse else {}) | ({"pd": pd} if pd else {})
             print(json.dumps(result.as_dict() | extra, indent=2))
         else:
-            print_plan(result)
+            print_plan(result, args.gpu_memory_utilization)
             if pd:
                 _print_pd(pd)
             if hisparse:
@@ -427,7 +427,18 @@ def _kv_split(p: Plan) -> str:
     return f" (each of {p.model.num_kv_heads} KV heads on {p.tp // p.model.num_kv_heads} of {p.tp} ranks)"
 
 
-def print_plan(p: Plan) -> None:
+def _gpu_size(p: Plan, utilization: float) -> str:
+    """ "79.6 GiB", or "79.6 GiB, 90 % planned: 71.7 GiB" below the whole GPU (the title called
+    the planned share the GPU's size)."""
+    if utilization == 1.0:
+        return f"{p.gpu.memory_gib:.1f} GiB"
+    whole = p.gpu.memory_gib / utilization
+    return f"{whole:.1f} GiB, {utilization * 100:.3g} % planned: {p.gpu.memory_gib:.1f} GiB"
+
+
+def print_plan(p: Plan, utilization: float = 1.0) -> None:
+    """The plan's tables; `utilization` (--gpu-memory-utilization) is the share of the GPU
+    the plan's capacity is (p.gpu holds that capacity, not the GPU's size)."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -438,7 +449,7 @@ def print_plan(p: Plan) -> None:
     where = (
         f"kvpool's engine on this machine, {p.gpu.name}, {p.gpu.memory_gib:.1f} GiB RAM"
         if p.gpu.kind == "cpu"
-        else f"{p.num_gpus} x {p.gpu.name} ({p.gpu.memory_gib:.1f} GiB), {parallel}"
+        else f"{p.num_gpus} x {p.gpu.name} ({_gpu_size(p, utilization)}), {parallel}"
     )
     # the name is the user's (config.json's _name_or_path, or its folder): text, not rich markup
     head = Table(title=escape(f"kvpool plan: {p.model.name} on {where}"), show_header=False)
