@@ -392,7 +392,7 @@ def _print_pd(pd: dict[str, object]) -> None:
         if not s["fits"]:
             gpus = f"{s['gpus']} GPU{'s' if s['gpus'] > 1 else ''}"
             why = (
-                "has no room for a KV pool: the rest of its ledger (weights first) fills its GPUs"
+                "has no room for a KV pool: the rest of its ledger fills its GPUs"
                 if s["kv_pool_bytes_per_gpu"] <= 0
                 else f"cannot hold one request of {s['tokens_held']:,} tokens"
             )
