@@ -248,7 +248,6 @@ def test_vllms_sampling_extensions_are_refused_unless_neutral_not_ignored():
         ("length_penalty", 0.5, 1),
         ("min_p", 0.05, 0),
         ("min_tokens", 8, 0),
-        ("stop_token_ids", [2], []),
         ("bad_words", ["no"], []),
         ("allowed_token_ids", [1, 2], None),
         ("include_stop_str_in_output", True, False),

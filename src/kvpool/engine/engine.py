@@ -57,6 +57,7 @@ _T = TypeVar("_T")
 _new_chunk = tuple.__new__
 _NEEDS_LOGITS = operator.attrgetter("needs_logits")
 _TOKEN_IDS, _REQUEST, _NUM_COMPUTED = map(operator.attrgetter, ("token_ids", "request", "_num_computed"))
+_NO_IDS: frozenset[int] = frozenset()
 _STOP_IDS, _END_LEN = map(operator.attrgetter, ("stop_ids", "end_len"))
 LATENCY_SAMPLES = 1 << 16  # admit / reserve_step latencies kept per kind (the latest)
 
@@ -189,8 +190,8 @@ class RequestState:
     # What ends a sequence of it, fixed at add_request and read per token (_accept_token): its
     # length in tokens at which it ends by length (prompt + max_tokens, or the runner's
     # max_model_len where that is less: one comparison a token), the ids that stop it (the
-    # engine's EOS ids, none with ignore_eos), whether its stop strings are matched in
-    # decoded text
+    # engine's EOS ids, none with ignore_eos, and its stop_token_ids: `_stop_ids`), whether
+    # its stop strings are matched in decoded text
     end_len: int = 0
     stop_ids: frozenset[int] = frozenset()
     matches_text: bool = False
@@ -316,7 +317,7 @@ class EngineStats:
 class Completion:
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS or stop string), "length", "abort"
+    finish_reason: str  # "stop" (EOS, a stop_token_ids id or a stop string), "length", "abort"
     # with SamplingParams(logprobs=k), one entry per token id: (the sampled token's
     # log-probability, the k most likely tokens' (id, log-probability), most likely first);
     # None when not asked for
@@ -531,6 +532,7 @@ class Engine:
             prompt, packed = self._from_checked(prompt_ids, request_id)
         else:
             prompt, packed = self._check_prompt(prompt_ids, request_id)
+        self._check_token_params(params, request_id)
         if params.seed is None:  # (after the checks: a refused request takes no seed)
             params = self.seed_for(params)
         limit = self.runner.max_model_len
@@ -544,7 +546,7 @@ class Engine:
             # the runner's max_model_len as of now: it is set before any request is added
             # (engine/build.py's limit_model_len) and not changed after; _stop_reason reads it live
             end_len=min(len(prompt) + params.max_tokens, limit),
-            stop_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            stop_ids=self._stop_ids(params),
             matches_text=bool(params.stop) and self.decode_text is not None,
             plain=params.n == 1 and params.logprobs is None,
         )
@@ -599,6 +601,21 @@ class Engine:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         if mm_items:
             raise ValueError(f"request {request_id!r}: the engine takes no multimodal items ({len(mm_items)} given)")
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The ids that end a request's sample: the engine's EOS ids (none with ignore_eos) and
+        its stop_token_ids. Without stop_token_ids the engine's own set, one object that every
+        such request shares (`_DecodeColumns` compares its rows' sets, identity first)."""
+        base = _NO_IDS if params.ignore_eos else self.eos_token_ids
+        return base.union(params.stop_token_ids) if params.stop_token_ids else base
+
+    def _check_token_params(self, params: SamplingParams, request_id: str) -> None:
+        """ValueError (the request's id and the field named) for sampling parameters that name
+        a token id outside the model's vocabulary (stop_token_ids)."""
+        vocab = self.runner.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: stop_token_ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
     def _outside_vocabulary(self, bad: list[int], request_id: str) -> ValueError:
         """The error for a prompt whose ids `bad` (in order) are outside the vocabulary."""
@@ -1878,7 +1895,7 @@ class Engine:
         position = len(seq.token_ids) - 1 - req.num_prompt_tokens  # the output position of `token`
         reason = None
         stop_text: str | None = None
-        if token in self.eos_token_ids and not params.ignore_eos:
+        if token in req.stop_ids:  # (the EOS ids, unless ignore_eos, and the request's stop_token_ids)
             reason = "stop"
         elif params.stop and self.decode_text is not None:
             # A stop string that first appears with this token ends in it: it spans at most
@@ -1905,7 +1922,7 @@ class Engine:
                 seq.text = stop_text
             elif self.decode_text is not None:
                 ids = seq.output_ids
-                if reason == "stop" and ids and ids[-1] in self.eos_token_ids:
+                if reason == "stop" and ids and ids[-1] in req.stop_ids:
                     ids = ids[:-1]
                 seq.text = self._output_text(seq, ids)
         return reason

@@ -113,6 +113,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no log-probabilities; k >= 0: the sampled token's and the k most likely tokens'
     logprobs: int | None = None
+    # token ids that end the sample besides the model's EOS ids (with finish reason "stop",
+    # the token kept in the ids, not in the text, as an EOS); ignore_eos leaves them on, as vLLM
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -151,6 +154,18 @@ class SamplingParams:
                 raise ValueError(f"stop: a stop string of {longest} characters; at most {MAX_STOP_CHARS} are taken")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        self._check_stop_token_ids()
+
+    def _check_stop_token_ids(self) -> None:
+        """stop_token_ids as a tuple of ints >= 0 (a list taken; kept hashable, as `stop`); the
+        engine refuses one outside its model's vocabulary (`Engine.add_request`)."""
+        ids = self.stop_token_ids
+        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+            raise TypeError(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}")
+        ids = tuple(integer("stop_token_ids: a token id", i) for i in ids)
+        if any(i < 0 for i in ids):
+            raise ValueError(f"stop_token_ids: token ids are >= 0, got {min(ids)}")
+        object.__setattr__(self, "stop_token_ids", ids)
 
     def _check_types(self) -> None:
         """TypeError naming the field for a value of the wrong kind, before the range checks

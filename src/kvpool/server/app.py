@@ -363,7 +363,18 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             )
         return requested
 
+    def token_ids_in_vocabulary(body: protocol.SamplingRequest) -> None:
+        """The 400 for a sampling field naming a token id outside the model's vocabulary
+        (the engine's ValueError would be a 500)."""
+        vocab = state.engine.engine.runner.vocab_size
+        bad = [t for t in body.stop_token_ids or () if t >= vocab]
+        if bad:
+            raise APIError(
+                400, f"stop_token_ids: token ids {bad[:5]} outside the vocabulary [0, {vocab})", "stop_token_ids"
+            )
+
     def sampling(body: protocol.SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        token_ids_in_vocabulary(body)
         seed = body.seed if body.seed is not None else random.getrandbits(31)
         # the protocol checked every field first: a ValueError here is our bug (a 500), not the client's
         return SamplingParams(
@@ -376,6 +387,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             stop=body.stop_strings,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
         )
 
     async def accept(request: Request, model: type[protocol.SamplingRequest]) -> tuple[Any, str]:

@@ -9,12 +9,13 @@ takes) (`parse_body`). Fields OpenAI defines that kvpool does not implement (pen
 logit_bias, echo, best_of > n, suffix, tools, tool_choice, response_format other than
 text) are refused when set to anything but their neutral value, never silently ignored;
 unknown fields are ignored, as OpenAI ignores them, except vLLM's sampling extensions that
-kvpool does not implement (repetition_penalty, min_p, min_tokens, stop_token_ids, guided_*,
+kvpool does not implement (repetition_penalty, min_p, min_tokens, guided_*,
 ...): a client written for vLLM sends them, and they are refused as OpenAI's are. An optional
 field sent as JSON null
 takes its default, as OpenAI takes it (`"temperature": null` is 1.0, `"n": null` is 1); a
-required one (`prompt`, `messages`) sent as null is refused. Two extensions, as vLLM names
-them: `top_k` (0 or vLLM's -1 for all tokens) and `ignore_eos`.
+required one (`prompt`, `messages`) sent as null is refused. Extensions served, as vLLM names
+them: `top_k` (0 or vLLM's -1 for all tokens), `ignore_eos` and `stop_token_ids` (ids that end
+a sample besides EOS; one outside the vocabulary a 400).
 """
 
 from __future__ import annotations
@@ -89,7 +90,6 @@ _VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1.0,),
     "min_p": (0.0,),
     "min_tokens": (0,),
-    "stop_token_ids": (None, []),
     "bad_words": (None, []),
     "allowed_token_ids": (None,),
     "include_stop_str_in_output": (False,),
@@ -162,7 +162,8 @@ class SamplingRequest(NullIsDefault):
     length_penalty: float = Field(1.0, allow_inf_nan=False)
     min_p: float = Field(0.0, allow_inf_nan=False)
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    # vLLM's sampling extensions that kvpool serves: token ids that end a sample besides EOS
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
