@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool.engine.build import build_engine, load_model
-from kvpool.engine.sampling import SamplingParams
+from kvpool.attention.reference import reference_logits
+from kvpool.engine.build import LoadedModel, build_engine, load_model
+from kvpool.engine.sampling import SamplingParams, processed_logits, sample_token
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +18,13 @@ def model():
     torch.set_num_threads(1)
     yield load_model(device="cpu")
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def fp64(model):
+    """The same weights in fp64: the engine's logits equal a full recompute's to ~1e-12, so
+    its tokens are the reference loop's wherever no two candidates lie that close."""
+    return LoadedModel(model.gguf, model.model.astype(torch.float64), model.tokenizer, model.weights_version)
 
 
 def chat_prompt(model, text: str) -> list[int]:
@@ -54,6 +62,158 @@ def test_a_stop_token_id_ends_the_sample_as_eos_does(model, batched):
         assert cut.finish_reason == "stop" and cut.token_ids == ids[: first + 1]
         assert cut.text == model.tokenizer.decode(ids[:first])
     vocab = engine.runner.vocab_size
-    with pytest.raises(ValueError, match=rf"stop_token_ids \[{vocab}\] outside the vocabulary \[0, {vocab}\)"):
-        engine.add_request(prompt, SamplingParams(stop_token_ids=[1, vocab]))
-    assert engine.requests == {}
+    for name, params in (
+        ("stop_token_ids", SamplingParams(stop_token_ids=[1, vocab])),
+        ("logit_bias", SamplingParams(logit_bias={vocab: 1.0, 2: 0.0})),
+    ):
+        with pytest.raises(ValueError, match=rf"{name}: token ids \[{vocab}\] outside the vocabulary \[0, {vocab}\)"):
+            engine.add_request(prompt, params)
+    assert engine.requests == {} and engine._num_controlled == 0
+
+
+# ---- penalties and logit_bias ---------------------------------------------------------
+
+
+def test_penalty_and_bias_parameters_are_checked():
+    for name, bad in (("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("presence_penalty", float("nan"))):
+        with pytest.raises(ValueError, match=rf"{name} must be in \[-2, 2\]"):
+            SamplingParams(**{name: bad})
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="repetition_penalty must be a finite number > 0"):
+            SamplingParams(repetition_penalty=bad)
+    with pytest.raises(TypeError, match="repetition_penalty must be a number"):
+        SamplingParams(repetition_penalty="1.2")
+    assert SamplingParams(logit_bias={"7": 1, 3: -2.5}).logit_bias == ((3, -2.5), (7, 1.0))
+    with pytest.raises(ValueError, match=r"logit_bias: the bias of token 3 must be in \[-100, 100\], got 101"):
+        SamplingParams(logit_bias={3: 101})
+    with pytest.raises(ValueError, match="logit_bias: token ids are >= 0, got -1"):
+        SamplingParams(logit_bias={"-1": 1})
+    with pytest.raises(TypeError, match="logit_bias: a token id must be an integer"):
+        SamplingParams(logit_bias={"x": 1})
+    with pytest.raises(TypeError, match="logit_bias: the bias of token 3 must be a number"):
+        SamplingParams(logit_bias={3: "1"})
+    with pytest.raises(ValueError, match="logit_bias: token 3 is given twice"):
+        SamplingParams(logit_bias=[(3, 1.0), ("3", 2.0)])
+    assert not SamplingParams(presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1).transforms_logits
+    for controls in ({"presence_penalty": -0.1}, {"repetition_penalty": 1.1}, {"logit_bias": {1: 0.0}}):
+        assert SamplingParams(**controls).transforms_logits
+
+
+def test_presence_and_frequency_penalties_by_hand():
+    """Over the output tokens alone (the prompt's 1 is not penalised): token 2 twice, 3 once.
+    Binary fractions: exact in fp32."""
+    logits = torch.tensor([1.0, 2.0, -3.0, 0.5, 4.0])
+    tokens = [1, 4, 2, 3, 2]  # prompt [1, 4], output [2, 3, 2]
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    got = processed_logits(logits, params, tokens, num_prompt_tokens=2)
+    # token 2: -3 - 0.25 * 2 - 0.5 = -4; token 3: 0.5 - 0.25 - 0.5 = -0.25
+    assert got.tolist() == [1.0, 2.0, -4.0, -0.25, 4.0]
+    assert logits.tolist() == [1.0, 2.0, -3.0, 0.5, 4.0]  # not written
+    negative = processed_logits(logits, SamplingParams(presence_penalty=-2.0), tokens, 2)
+    assert negative.tolist() == [1.0, 2.0, -1.0, 2.5, 4.0]  # a negative penalty favours them
+    assert processed_logits(logits, params, tokens[:2], 2).tolist() == logits.tolist()  # no output yet
+    bias = processed_logits(logits, SamplingParams(logit_bias={0: -100, 4: 0.5}), tokens, 2)
+    assert bias.tolist() == [-99.0, 2.0, -3.0, 0.5, 4.5]
+
+
+def test_repetition_penalty_equals_transformers_processor_in_fp64():
+    """transformers' RepetitionPenaltyLogitsProcessor (the CTRL rule, over every token of its
+    input ids: prompt and output) on the same fp64 logits: equal exactly, for penalties
+    above and below 1, with repeated ids and ids of logits < 0, = 0 and > 0."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    gen = torch.Generator().manual_seed(3)
+    for penalty in (1.3, 0.7, 2.0):
+        logits = torch.randn(1000, generator=gen, dtype=torch.float64) * 4
+        logits[17] = 0.0
+        tokens = torch.randint(0, 1000, (60,), generator=gen).tolist() + [17, 17]
+        want = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([tokens]), logits.clone()[None])[0]
+        got = processed_logits(logits, SamplingParams(repetition_penalty=penalty), tokens, num_prompt_tokens=40)
+        assert got.dtype == torch.float64 and torch.equal(got, want), penalty
+
+
+_REFERENCE: dict[tuple, list[int]] = {}  # (prompt, params) -> the loop's tokens: once a module
+
+
+def reference_loop(fp64_model, prompt: list[int], params: SamplingParams, eos: frozenset[int]) -> list[int]:
+    """The tokens a request takes, step by step: each step's logits by a full recompute of the
+    sequence (contiguous attention), processed by `processed_logits` over the tokens so far,
+    sampled by `sample_token` at the output position; the end at EOS or max_tokens."""
+    key = (tuple(prompt), params)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _reference_loop(fp64_model, prompt, params, eos)
+    return _REFERENCE[key]
+
+
+def _reference_loop(fp64_model, prompt: list[int], params: SamplingParams, eos: frozenset[int]) -> list[int]:
+    tokens = list(prompt)
+    for position in range(params.max_tokens):
+        logits = reference_logits(fp64_model.model, tokens)[-1]
+        processed = processed_logits(logits, params, tokens, len(prompt))
+        top = torch.topk(processed.float() / max(params.temperature, 1.0), 2).values
+        assert top[0] - top[1] > 1e-6, "a near tie: the engine's rounding may pick the other token"
+        tokens.append(sample_token(processed, params, 0, position))
+        if tokens[-1] in eos and not params.ignore_eos:
+            break
+    return tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_engine_with_penalties_takes_the_reference_loops_tokens(model, fp64, batched):
+    """SmolLM2 in fp64, greedy and seeded, each with a penalty or a bias, beside a plain
+    request in the same batch: the engine's tokens are the reference loop's; the plain
+    request's tokens are what it takes alone; logprobs are the raw model's."""
+    prompt = chat_prompt(model, "Say the word hello five times.")  # greedy: "Hello, hello, hello, ..."
+    plain = SamplingParams(max_tokens=12, ignore_eos=True)
+    (hello,) = model.tokenizer.encode(" hello")
+    cases = [
+        SamplingParams(max_tokens=12, repetition_penalty=1.5, ignore_eos=True),
+        SamplingParams(max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=5, presence_penalty=-1.0, frequency_penalty=0.7),
+        SamplingParams(max_tokens=12, logit_bias={hello: -100.0, 28: -2.5}),
+    ]
+    engine = build_engine(fp64, num_blocks=64, block_size=16)
+    engine.batched_sampling = batched
+    alone = engine.generate([prompt], plain)[0].completions[0].token_ids
+    ids = [engine.add_request(prompt, params) for params in cases]
+    plain_id = engine.add_request(prompt, plain)
+    logged = engine.add_request(prompt, SamplingParams(max_tokens=3, repetition_penalty=3.0, logprobs=2))
+    while engine.has_unfinished():
+        engine.step()
+        engine.runner.check_integrity()
+    assert engine.pop_output(plain_id).completions[0].token_ids == alone
+    for rid, params in zip(ids, cases, strict=True):
+        got = engine.pop_output(rid).completions[0].token_ids
+        assert got == reference_loop(fp64, prompt, params, engine.eos_token_ids), params
+        assert got != alone  # the penalties and the bias change the answer here
+    out = engine.pop_output(logged).completions[0]
+    raw = torch.log_softmax(reference_logits(fp64.model, prompt + out.token_ids[:1])[-1], dim=-1)
+    assert abs(out.logprobs[1][0] - raw[out.token_ids[1]].item()) < 1e-9
+    assert engine._num_controlled == 0
+
+
+def test_the_server_reads_the_controls_and_refuses_bad_ones():
+    """kvpool serve's protocol takes the fields (OpenAI's ranges), and names the field of a bad one."""
+    import json
+
+    from kvpool.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for model, body in ((CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, chat)):
+        asked = {"presence_penalty": -2, "frequency_penalty": 1.5, "repetition_penalty": 1.2}
+        asked |= {"logit_bias": {"50256": -100, "7": 3.5}, "stop_token_ids": [2, 0]}
+        parsed = parse_body(json.dumps({**body, **asked}).encode(), model)
+        assert parsed.logit_bias == {"50256": -100.0, "7": 3.5} and parsed.repetition_penalty == 1.2
+        for name, bad in (
+            ("presence_penalty", 2.5),
+            ("frequency_penalty", -3),
+            ("repetition_penalty", 0),
+            ("logit_bias", {"7": 101}),
+            ("logit_bias", {"x": 1}),
+            ("logit_bias", {"-1": 1}),
+            ("stop_token_ids", [-1]),
+        ):
+            with pytest.raises(APIError) as caught:
+                parse_body(json.dumps({**body, name: bad}).encode(), model)
+            # (the param names the field, with the key or index where pydantic gives it: "logit_bias[7]")
+            assert caught.value.status == 400 and caught.value.param.startswith(name), (bad, caught.value.message)

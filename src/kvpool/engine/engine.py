@@ -45,6 +45,7 @@ from kvpool.engine.sampling import (
     SamplingParams,
     checked_seed,
     derived_seed,
+    processed_logits,
     sample_token,
     token_logprobs,
 )
@@ -195,7 +196,10 @@ class RequestState:
     end_len: int = 0
     stop_ids: frozenset[int] = frozenset()
     matches_text: bool = False
-    plain: bool = False  # one sample and no logprobs: its decode tokens take the step's inline path
+    # its logits are changed before sampling (penalties, logit_bias: `processed_logits`)
+    controls: bool = False
+    # one sample, no logprobs, no controls: its decode tokens take the step's inline path
+    plain: bool = False
     # plain, its first token taken (by `_accept_token`) and no stop strings to match in text:
     # a batched decode step takes its tokens in one tight loop (`_take_inline_tokens`)
     inline: bool = False
@@ -411,6 +415,9 @@ class Engine:
         # (`_stop_reason`, without the shortcut for a token that ends nothing: the twin, for tests)
         self.inline_decode = True
         self.requests: dict[str, RequestState] = {}
+        # requests held with `controls` (added, not yet popped): while none is, a batched step
+        # looks at no row's (`_sample_step`); one forgotten otherwise costs that look alone
+        self._num_controlled = 0
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self._scheduled: list[SequenceState] = []  # the sequences of the last schedule(), in chunk order
@@ -548,8 +555,11 @@ class Engine:
             end_len=min(len(prompt) + params.max_tokens, limit),
             stop_ids=self._stop_ids(params),
             matches_text=bool(params.stop) and self.decode_text is not None,
-            plain=params.n == 1 and params.logprobs is None,
+            plain=params.n == 1 and params.logprobs is None and not params.transforms_logits,
+            controls=params.transforms_logits,
         )
+        if req.controls:
+            self._num_controlled += 1
         # (the engine's list of the prompt: the sequence's tokens are appended to it)
         seq = SequenceState(f"{request_id}/0", req, 0, prompt, prompt=packed)
         req.seqs.append(seq)
@@ -613,9 +623,12 @@ class Engine:
         """ValueError (the request's id and the field named) for sampling parameters that name
         a token id outside the model's vocabulary (stop_token_ids)."""
         vocab = self.runner.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r}: stop_token_ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(
+                    f"request {request_id!r}: {name}: token ids {bad[:5]} outside the vocabulary [0, {vocab})"
+                )
 
     def _outside_vocabulary(self, bad: list[int], request_id: str) -> ValueError:
         """The error for a prompt whose ids `bad` (in order) are outside the vocabulary."""
@@ -773,6 +786,8 @@ class Engine:
         out = self._output(req, tokens)
         del tokens[req.num_prompt_tokens :]
         del self.requests[request_id]
+        if req.controls:
+            self._num_controlled -= 1
         # The request and its sequences refer to each other (req.seqs, seq.request): a cycle
         # that only the cyclic collector frees, after the objects it holds (prompt and output
         # lists, params) have waited in the heap it walks. Unlinked, refcounting frees them
@@ -1647,6 +1662,8 @@ class Engine:
         # (a tensor's rows, or a runner's list of empty rows; a tensor's len is a Python call, its shape not)
         if (logits.shape[0] if type(logits) is torch.Tensor else len(logits)) != len(seqs):
             logits = logits[: len(seqs)]
+        if self._num_controlled:
+            logits = self._controlled_logits(seqs, logits)
         try:
             return self._batch_sampler.sample(logits, seqs, rows, lengths)
         except NonFiniteLogitsError as error:  # named: the sampler knows rows, not requests
@@ -1663,6 +1680,22 @@ class Engine:
                 refused = NonFiniteLogitsError([r], [req.request_id], position)
                 failed.setdefault(req.request_id, (f"{type(refused).__name__}: {refused}", trace))
             return error.tokens
+
+    @staticmethod
+    def _controlled_logits(seqs: Sequence[SequenceState], logits: torch.Tensor) -> torch.Tensor:
+        """A step's logits rows (row i: seqs[i]'s) with each controlled request's row processed
+        (`processed_logits`: its penalties and biases over its tokens so far), in a copy;
+        the logits themselves where no row is (the step's logprobs and recorded logits read
+        those: the raw model's)."""
+        out = None
+        for i, seq in enumerate(seqs):
+            req = seq.request
+            if req.controls:
+                row = processed_logits(logits[i], req.params, seq.token_ids, req.num_prompt_tokens)
+                if out is None:
+                    out = logits.to(row.dtype, copy=True)
+                out[i] = row
+        return logits if out is None else out
 
     def _first_samples(
         self,
@@ -1759,13 +1792,20 @@ class Engine:
         tokens = seq.token_ids
         position = len(tokens) - req.num_prompt_tokens  # seq.num_output_tokens, before this token
         if token is None:
+            # (a controlled request's row processed: its penalties and biases over its tokens so far)
+            processed = processed_logits(logits[row], params, tokens, req.num_prompt_tokens) if req.controls else None
             try:
                 if self.batched_sampling:
                     token = self._batch_sampler.sample_rows(
-                        logits[row : row + 1], [params], [seq.sample_index], [position]
+                        logits[row : row + 1] if processed is None else processed.unsqueeze(0),
+                        [params],
+                        [seq.sample_index],
+                        [position],
                     )[0]
                 else:
-                    token = self.sampler(logits[row], params, seq.sample_index, position)
+                    token = self.sampler(
+                        logits[row] if processed is None else processed, params, seq.sample_index, position
+                    )
             except NonFiniteLogitsError:
                 raise NonFiniteLogitsError([row], [req.request_id], position) from None
         if self.record_logits:

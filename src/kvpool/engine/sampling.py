@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,6 +116,17 @@ class SamplingParams:
     # token ids that end the sample besides the model's EOS ids (with finish reason "stop",
     # the token kept in the ids, not in the text, as an EOS); ignore_eos leaves them on, as vLLM
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Penalties and biases on the logits before sampling (greedy too), in vLLM's order:
+    # logit_bias added, then the repetition penalty (over the prompt's and the output's tokens:
+    # a logit > 0 divided by it, else multiplied), then the frequency penalty (times each
+    # token's count in the output so far) and the presence penalty (once for a token the
+    # output holds) subtracted (`processed_logits`). Log-probabilities are the raw model's.
+    presence_penalty: float = 0.0  # in [-2, 2], as OpenAI's
+    frequency_penalty: float = 0.0  # in [-2, 2], as OpenAI's
+    repetition_penalty: float = 1.0  # > 0; 1: off
+    # token id -> a bias in [-100, 100] added to its logit (OpenAI's); a mapping given is kept
+    # as (id, bias) pairs in increasing id order (hashable, as a frozen field)
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -155,6 +166,49 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         self._check_stop_token_ids()
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:  # NaN fails both
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        """logit_bias as (id, bias) pairs, ids >= 0 increasing, biases floats in [-100, 100]:
+        a mapping (OpenAI's dict; an id given as a decimal string, as JSON keys are, taken) or
+        pairs. The engine refuses an id outside its model's vocabulary (`Engine.add_request`)."""
+        bias = self.logit_bias
+        if isinstance(bias, Mapping):
+            items = list(bias.items())
+        elif isinstance(bias, Sequence) and not isinstance(bias, str | bytes):
+            items = list(bias)
+            if not all(isinstance(item, Sequence) and len(item) == 2 for item in items):
+                raise TypeError("logit_bias must be a mapping of token id -> bias (or (id, bias) pairs)")
+        else:
+            raise TypeError(f"logit_bias must be a mapping of token id -> bias, got {type(bias).__name__}")
+        pairs: dict[int, float] = {}
+        for key, value in items:
+            if isinstance(key, str) and key.strip().lstrip("-").isdecimal():
+                key = int(key)
+            token = integer("logit_bias: a token id", key)
+            if token < 0:
+                raise ValueError(f"logit_bias: token ids are >= 0, got {token}")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"logit_bias: the bias of token {token} must be a number, got {value!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}")
+            if token in pairs:
+                raise ValueError(f"logit_bias: token {token} is given twice")
+            pairs[token] = float(value)
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs.items())))
+
+    @property
+    def transforms_logits(self) -> bool:
+        """Whether the logits are changed before sampling (`processed_logits`): a penalty, a
+        bias. Such a request takes none of the engine's fast paths."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
 
     def _check_stop_token_ids(self) -> None:
         """stop_token_ids as a tuple of ints >= 0 (a list taken; kept hashable, as `stop`); the
@@ -178,7 +232,7 @@ class SamplingParams:
             if type(value) is int or (value is None and name in ("logprobs", "seed")):
                 continue
             object.__setattr__(self, name, integer(name, value))
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
@@ -377,6 +431,35 @@ def _draw(weights: torch.Tensor, u: float) -> int:
     if i >= len(cdf):  # u * total rounded up to the total: the last token of non-zero weight
         i = int(torch.nonzero(weights)[-1])
     return i
+
+
+def processed_logits(
+    logits: torch.Tensor, params: SamplingParams, token_ids: Sequence[int], num_prompt_tokens: int
+) -> torch.Tensor:
+    """The logits [vocab] a request with `transforms_logits` samples from, a new tensor (fp32,
+    or the logits' dtype where it is wider; the logits are not written): token_ids the
+    sequence's tokens so far, the prompt's first `num_prompt_tokens` of them, then its output.
+    vLLM's order: logit_bias added; the repetition penalty p over every token the prompt or
+    the output holds (a logit > 0 divided by p, else multiplied by it: the CTRL rule); then
+    the frequency penalty times each token's count in the output, and the presence penalty
+    for each token in it, subtracted (two subtractions, frequency first)."""
+    out = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias, strict=True)
+        out[torch.tensor(ids, device=out.device)] += torch.tensor(bias, dtype=out.dtype, device=out.device)
+    penalty = params.repetition_penalty
+    if penalty != 1.0 and token_ids:
+        seen = torch.unique(torch.tensor(token_ids, dtype=torch.long, device=out.device))
+        values = out[seen]
+        out[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    output = token_ids[num_prompt_tokens:]
+    if output and (params.frequency_penalty or params.presence_penalty):
+        ids, counts = torch.unique(torch.tensor(output, dtype=torch.long, device=out.device), return_counts=True)
+        if params.frequency_penalty:
+            out[ids] -= params.frequency_penalty * counts.to(out.dtype)
+        if params.presence_penalty:
+            out[ids] -= params.presence_penalty
+    return out
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

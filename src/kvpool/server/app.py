@@ -367,11 +367,13 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         """The 400 for a sampling field naming a token id outside the model's vocabulary
         (the engine's ValueError would be a 500)."""
         vocab = state.engine.engine.runner.vocab_size
-        bad = [t for t in body.stop_token_ids or () if t >= vocab]
-        if bad:
-            raise APIError(
-                400, f"stop_token_ids: token ids {bad[:5]} outside the vocabulary [0, {vocab})", "stop_token_ids"
-            )
+        for name, ids in (
+            ("stop_token_ids", body.stop_token_ids or ()),
+            ("logit_bias", map(int, body.logit_bias or ())),
+        ):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise APIError(400, f"{name}: token ids {bad[:5]} outside the vocabulary [0, {vocab})", name)
 
     def sampling(body: protocol.SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         token_ids_in_vocabulary(body)
@@ -388,6 +390,10 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             stop_token_ids=tuple(body.stop_token_ids or ()),
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
         )
 
     async def accept(request: Request, model: type[protocol.SamplingRequest]) -> tuple[Any, str]:

@@ -6,16 +6,18 @@ in `param` and in the message. So does a body that is not one: empty, not UTF-8,
 (NaN and Infinity included), nested too deeply, not an object, or holding a string UTF-8
 cannot encode (a lone surrogate escape such as "\\ud800" in JSON, which no tokenizer or tenant salt
 takes) (`parse_body`). Fields OpenAI defines that kvpool does not implement (penalties,
-logit_bias, echo, best_of > n, suffix, tools, tool_choice, response_format other than
+echo, best_of > n, suffix, tools, tool_choice, response_format other than
 text) are refused when set to anything but their neutral value, never silently ignored;
 unknown fields are ignored, as OpenAI ignores them, except vLLM's sampling extensions that
-kvpool does not implement (repetition_penalty, min_p, min_tokens, guided_*,
+kvpool does not implement (min_p, min_tokens, guided_*,
 ...): a client written for vLLM sends them, and they are refused as OpenAI's are. An optional
 field sent as JSON null
 takes its default, as OpenAI takes it (`"temperature": null` is 1.0, `"n": null` is 1); a
 required one (`prompt`, `messages`) sent as null is refused. Extensions served, as vLLM names
-them: `top_k` (0 or vLLM's -1 for all tokens), `ignore_eos` and `stop_token_ids` (ids that end
-a sample besides EOS; one outside the vocabulary a 400).
+them: `top_k` (0 or vLLM's -1 for all tokens), `ignore_eos`, `stop_token_ids` (ids that end
+a sample besides EOS; one outside the vocabulary a 400) and `repetition_penalty` (> 0), beside
+OpenAI's `presence_penalty` / `frequency_penalty` (in [-2, 2]) and `logit_bias` (token id ->
+bias in [-100, 100]; an id outside the vocabulary a 400): engine/sampling.py `processed_logits`.
 """
 
 from __future__ import annotations
@@ -86,7 +88,6 @@ class NullIsDefault(BaseModel):
 
 # vLLM's extensions above -> the values that ask for nothing (JSON null takes the first)
 _VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "repetition_penalty": (1.0,),
     "length_penalty": (1.0,),
     "min_p": (0.0,),
     "min_tokens": (0,),
@@ -153,12 +154,13 @@ class SamplingRequest(NullIsDefault):
     stream_options: StreamOptions | None = None
     user: str | None = None  # the tenant (see the server's docs)
     ignore_eos: bool = False  # extension: generate max_tokens tokens whatever is sampled
-    presence_penalty: float = Field(0.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    # token id (a decimal string, as JSON keys are) -> a bias added to its logit
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # vLLM's extension
     # vLLM's sampling extensions that kvpool does not implement: a client written for vLLM
     # sends them, and would get other tokens than it asked for if they were ignored as unknown
-    repetition_penalty: float = Field(1.0, allow_inf_nan=False)
     length_penalty: float = Field(1.0, allow_inf_nan=False)
     min_p: float = Field(0.0, allow_inf_nan=False)
     min_tokens: int = 0
@@ -192,11 +194,9 @@ class SamplingRequest(NullIsDefault):
         if stops and (longest := max(len(s) for s in stops)) > MAX_STOP_CHARS:
             # (SamplingParams refuses it too, but its ValueError would be the server's 500)
             raise ValueError(f"stop: a stop string of {longest} characters; at most {MAX_STOP_CHARS} characters")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ValueError(f"{name}: not supported by kvpool serve (only 0 is accepted)")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported by kvpool serve")
+        for key in self.logit_bias or ():
+            if not (key.isascii() and key.isdecimal()):
+                raise ValueError(f"logit_bias: keys are token ids (decimal integers >= 0), got {key!r}")
         for name, neutral in self.vllm_neutral.items():
             if getattr(self, name) not in neutral:
                 accepted = " or ".join(json.dumps(v) for v in neutral)
