@@ -84,9 +84,11 @@ def test_every_row_of_a_mixed_batch_is_sample_tokens_token(scale):
         {"temperature": 0.7, "top_p": 0.9},
         {"temperature": 1.0, "top_k": 500, "top_p": 0.5},
         {"temperature": 2.0, "top_k": 1},
+        {"temperature": 0.9, "min_p": 0.1},
+        {"temperature": 1.0, "top_k": 40, "top_p": 0.8, "min_p": 0.05},
     ]
     seeds = [0, 7, -1, (1 << 63) - 1, -(1 << 63)]
-    params = [SamplingParams(seed=seeds[i % 5], **kinds[i % 6]) for i in range(num_rows)]
+    params = [SamplingParams(seed=seeds[i % 5], **kinds[i % len(kinds)]) for i in range(num_rows)]
     indices, positions = [i % 3 for i in range(num_rows)], [(7 * i) % 41 for i in range(num_rows)]
     got = sample_batch(logits, params, indices, positions)
     want = [sample_token(logits[i], params[i], indices[i], positions[i]) for i in range(num_rows)]
@@ -389,6 +391,7 @@ def test_thousands_of_random_batches_equal_sample_token_row_by_row(one_thread):
                 top_p=rng.choice((1.0, 1.0, 0.95, 0.6, 1e-9)),
                 top_k=rng.choice((0, 0, 1, 3, vocab, vocab + 5)),
                 seed=rng.randint(SEED_MIN, SEED_MAX),
+                min_p=rng.choice((0.0, 0.0, 0.0, 0.05, 0.3, 1.0)),
             )
 
         one = draw_params()
@@ -458,6 +461,7 @@ def test_the_batch_sampler_keeps_a_batch_and_samples_sample_batchs_tokens(one_th
         {"temperature": 1.3, "top_p": 0.8, "seed": -2},
         {"temperature": 0.9, "top_k": 5, "top_p": 0.9, "seed": SEED_MAX},
         {"temperature": 2.0, "top_k": 3, "seed": 0},
+        {"temperature": 0.8, "min_p": 0.2, "seed": 4},
     ]
 
     class Owner:  # an engine's sequence: its params and sample index fixed while it runs

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from kvpool.attention.reference import reference_logits
+from kvpool.engine.batch_sampler import sample_batch
 from kvpool.engine.build import LoadedModel, build_engine, load_model
-from kvpool.engine.sampling import SamplingParams, processed_logits, sample_token
+from kvpool.engine.sampling import SamplingParams, min_p_filtered, processed_logits, sample_token
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +168,7 @@ def test_the_engine_with_penalties_takes_the_reference_loops_tokens(model, fp64,
     plain = SamplingParams(max_tokens=12, ignore_eos=True)
     (hello,) = model.tokenizer.encode(" hello")
     cases = [
+        SamplingParams(max_tokens=12, temperature=1.5, seed=3, min_p=0.2, ignore_eos=True),  # (plain: fast paths)
         SamplingParams(max_tokens=12, repetition_penalty=1.5, ignore_eos=True),
         SamplingParams(max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5, ignore_eos=True),
         SamplingParams(max_tokens=12, temperature=0.8, seed=5, presence_penalty=-1.0, frequency_penalty=0.7),
@@ -192,6 +194,47 @@ def test_the_engine_with_penalties_takes_the_reference_loops_tokens(model, fp64,
     assert engine._num_controlled == 0
 
 
+# ---- min_p ----------------------------------------------------------------------------
+
+
+def test_min_p_is_checked():
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="min_p must be in \\[0, 1\\]"):
+            SamplingParams(min_p=bad)
+    with pytest.raises(TypeError, match="min_p must be a number"):
+        SamplingParams(min_p=None)
+
+
+def test_min_p_equals_transformers_warper_in_fp64():
+    """transformers' MinPLogitsWarper on the same fp64 scores: the same tokens set to -inf,
+    the others unchanged, exactly (rows of 1 to 2,000 tokens, min_p 0 to 1)."""
+    from transformers import MinPLogitsWarper
+
+    gen = torch.Generator().manual_seed(9)
+    for case in range(200):
+        vocab = int(torch.randint(1, 2000, (1,), generator=gen))
+        scores = torch.randn(vocab, generator=gen, dtype=torch.float64) * float(torch.rand(1, generator=gen) * 6)
+        min_p = (0.0, 1e-3, 0.05, 0.3, 0.9, 1.0)[case % 6]
+        want = MinPLogitsWarper(min_p)(torch.zeros(1, 1, dtype=torch.long), scores.clone()[None])[0]
+        got = min_p_filtered(scores, torch.tensor(min_p, dtype=torch.float64))
+        assert torch.equal(got, want), case
+
+
+def test_min_p_comes_before_top_p():
+    """vLLM's order: min_p, then top-p over what it left, renormalised. Probabilities 0.4, 0.3,
+    0.2, 0.1 at min_p 0.3 keep the first three (0.9 of the mass); top_p 0.75 of those drops
+    the third (0.7 / 0.9 before it), which top_p first would keep (0.7 before it): 2,000
+    draws of each sampler take tokens 0 and 1 alone, at 4 : 3 within 4 sigma."""
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    params = SamplingParams(temperature=1.0, top_p=0.75, min_p=0.3, seed=1)
+    n = 2000
+    one = [sample_token(logits, params, 0, k) for k in range(n)]
+    batched = sample_batch(logits.expand(n, 4), [params] * n, [0] * n, list(range(n)))
+    assert one == batched and set(one) == {0, 1}
+    p = 4 / 7
+    assert abs(one.count(0) / n - p) < 4 * (p * (1 - p) / n) ** 0.5
+
+
 def test_the_server_reads_the_controls_and_refuses_bad_ones():
     """kvpool serve's protocol takes the fields (OpenAI's ranges), and names the field of a bad one."""
     import json
@@ -201,7 +244,7 @@ def test_the_server_reads_the_controls_and_refuses_bad_ones():
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     for model, body in ((CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, chat)):
         asked = {"presence_penalty": -2, "frequency_penalty": 1.5, "repetition_penalty": 1.2}
-        asked |= {"logit_bias": {"50256": -100, "7": 3.5}, "stop_token_ids": [2, 0]}
+        asked |= {"logit_bias": {"50256": -100, "7": 3.5}, "stop_token_ids": [2, 0], "min_p": 0.1}
         parsed = parse_body(json.dumps({**body, **asked}).encode(), model)
         assert parsed.logit_bias == {"50256": -100.0, "7": 3.5} and parsed.repetition_penalty == 1.2
         for name, bad in (
@@ -212,6 +255,7 @@ def test_the_server_reads_the_controls_and_refuses_bad_ones():
             ("logit_bias", {"x": 1}),
             ("logit_bias", {"-1": 1}),
             ("stop_token_ids", [-1]),
+            ("min_p", 1.5),
         ):
             with pytest.raises(APIError) as caught:
                 parse_body(json.dumps({**body, name: bad}).encode(), model)

@@ -26,10 +26,13 @@ from kvpool.engine.sampling import (
     SamplingParams,
     _splitmix64,
     draws_at,
+    min_p_filtered,
     seed_words,
 )
 
-_TEMPERATURE, _TOP_P, _TOP_K, _SEED = map(operator.attrgetter, ("temperature", "top_p", "top_k", "seed"))
+_TEMPERATURE, _TOP_P, _TOP_K, _SEED, _MIN_P = map(
+    operator.attrgetter, ("temperature", "top_p", "top_k", "seed", "min_p")
+)
 _NO_WORDS, _NO_DRAWS = np.empty(0, dtype=np.uint64), np.empty((0, 1), dtype=np.float32)  # (never written)
 _NO_ROWS = np.empty(0, dtype=np.int64)  # a greedy batch's rows that draw (never written)
 # The least positive fp32 (a subnormal): sample_batch's least top_p in its fp32 arithmetic.
@@ -162,8 +165,10 @@ class _BatchRows:
         k = np.fromiter(map(min, map(_TOP_K, picked), repeat(vocab)), np.int64, m)
         k[k == 0] = vocab  # top-k off (0), or at least the vocabulary: all of it
         nucleus = top_p < 1.0
-        # the groups of one (k, top-p on) kind, in their first rows' order
-        keys = (k << 1) | nucleus  # [m] int64: one key a kind
+        min_p = np.fromiter(map(_MIN_P, picked), np.float64, m)
+        filtered = min_p > 0.0
+        # the groups of one (k, top-p on, min-p on) kind, in their first rows' order
+        keys = (k << 2) | (nucleus << 1) | filtered  # [m] int64: one key a kind
         if (keys == keys[0]).all():  # (the usual step: every row alike)
             members = [np.arange(m)]
         else:
@@ -179,6 +184,10 @@ class _BatchRows:
             g = len(member)
             index = None if g == m else _to_device(torch.from_numpy(member), device)
             picked_columns = _to_device(columns if g == m else columns[torch.from_numpy(member)], device)
+            # (min_p's fp32 column, as sample_token's fp32 scalar: torch's conversion of the fp64 values)
+            min_p_column = None
+            if filtered[member[0]]:
+                min_p_column = _to_device(torch.from_numpy(min_p[member, None]).float(), device)
             rows.groups.append(
                 _Group(
                     int(k[member[0]]),
@@ -187,6 +196,7 @@ class _BatchRows:
                     picked_columns[:, 0:1],
                     picked_columns[:, 1:2],
                     rows.u[start : start + g],
+                    min_p_column,
                 )
             )
             start += g
@@ -212,6 +222,8 @@ class _BatchRows:
         top-k / top-p kinds (or a joined row of another kind than the rows here)."""
         m, n = len(self.stochastic), len(src)
         if not m or m != self.num_rows or len(self.groups) != 1 or self.host_columns is None:
+            return None
+        if self.groups[0].min_p is not None or any(map(_MIN_P, params)):  # (min-p rows: built anew)
             return None
         group = self.groups[0]
         num_joined = len(joined)
@@ -402,7 +414,7 @@ class _Group:
     all of them) and their fp32 columns [g, 1] on the device: temperature, top_p, and the
     uniform (a view of the batch's buffer, written per step)."""
 
-    __slots__ = ("k", "nucleus", "index", "temperature", "top_p", "u")
+    __slots__ = ("k", "nucleus", "index", "temperature", "top_p", "u", "min_p")
 
     def __init__(
         self,
@@ -412,12 +424,14 @@ class _Group:
         temperature: torch.Tensor,
         top_p: torch.Tensor,
         u: torch.Tensor,
+        min_p: torch.Tensor | None = None,
     ) -> None:
         self.k, self.nucleus, self.index = k, nucleus, index
         self.temperature, self.top_p, self.u = temperature, top_p, u
+        self.min_p = min_p  # [g, 1] fp32, where the group's rows filter by min-p; None: they do not
 
     def sample(self, logits: torch.Tensor, at_top: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return _sample_group(logits, self.temperature, self.top_p, self.u, self.k, self.nucleus, at_top)
+        return _sample_group(logits, self.temperature, self.top_p, self.u, self.k, self.nucleus, at_top, self.min_p)
 
 
 # rows(which): the params, sample indices and origins of a step's rows `which` (None: every
@@ -712,14 +726,18 @@ def _sample_group(
     k: int,
     nucleus: bool,
     at_top: bool,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of one kind: logits [g, vocab], their fp32 columns [g, 1] each (temperature,
     top_p >= TOP_P_MIN, u in [0, 1]), every row's top-k k (vocab: off) and top-p on or off
     (nucleus) -> ([g] int64 token ids, [g] fp32 each row's total weight: NaN where its
     softmax is, `_finite_tokens`), through `sample_token`'s arithmetic (the module
-    docstring). at_top: whether some u is 1.0 (False where none is: one op, not four)."""
+    docstring). at_top: whether some u is 1.0 (False where none is: one op, not four).
+    min_p: the rows' fp32 min-p column [g, 1] (`min_p_filtered`, before top-k), or None."""
     vocab = logits.shape[-1]
     scores = logits.float() / temperature  # [g, vocab]
+    if min_p is not None:
+        scores = min_p_filtered(scores, min_p)
     ids: torch.Tensor | None = None  # [g, candidates]: their token ids, most likely first
     if k < vocab:
         top = torch.topk(scores, k, dim=-1)

@@ -127,6 +127,10 @@ class SamplingParams:
     # token id -> a bias in [-100, 100] added to its logit (OpenAI's); a mapping given is kept
     # as (id, bias) pairs in increasing id order (hashable, as a frozen field)
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # in [0, 1]: a drawing row keeps the tokens whose probability after the temperature is at
+    # least min_p times the most likely token's (before top-k and top-p, as vLLM); 0: off.
+    # Greedy rows take the argmax, which it keeps
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -172,6 +176,8 @@ class SamplingParams:
         if not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         self._check_logit_bias()
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     def _check_logit_bias(self) -> None:
         """logit_bias as (id, bias) pairs, ids >= 0 increasing, biases floats in [-100, 100]:
@@ -232,7 +238,7 @@ class SamplingParams:
             if type(value) is int or (value is None and name in ("logprobs", "seed")):
                 continue
             object.__setattr__(self, name, integer(name, value))
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
@@ -302,6 +308,8 @@ def _sample_scores(logits: torch.Tensor, params: SamplingParams, sample_index: i
     softmax is not finite: a NaN or +inf logit, all of them -inf, or scores past fp32's range."""
     # divided by the fp32 temperature as sample_batch divides its rows (same rounding)
     scores = logits.float().cpu() / params.temperature
+    if params.min_p > 0.0:  # (in fp32, as sample_batch's column: the same bits)
+        scores = min_p_filtered(scores, torch.tensor(params.min_p, dtype=torch.float32))
     vocab = scores.shape[-1]
     k = min(params.top_k, vocab) if params.top_k else vocab
     ids: torch.Tensor | None = None  # candidates' token ids, most likely first; None: all tokens
@@ -333,6 +341,16 @@ def _sample_scores(logits: torch.Tensor, params: SamplingParams, sample_index: i
     if not math.isfinite(probs[j]):
         return None
     return int(ids[j]) if ids is not None else j
+
+
+def min_p_filtered(scores: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """scores [..., vocab] fp32 (the logits over the temperature) with the tokens whose
+    probability is below min_p times the row's largest set to -inf (min_p: an fp32 scalar, or
+    a column [rows, 1]): both samplers' min-p, before top-k and top-p (vLLM's order). The
+    most likely token always stays (its probability is the largest, min_p <= 1); a row whose
+    softmax is NaN masks nothing (NaN compares False) and is refused after, as without it."""
+    probs = torch.softmax(scores, dim=-1)
+    return scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), -math.inf)
 
 
 def shifted_logits(logits: torch.Tensor) -> torch.Tensor | None:

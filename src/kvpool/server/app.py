@@ -393,6 +393,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
+            min_p=body.min_p,
             logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
         )
 
