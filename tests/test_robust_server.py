@@ -245,7 +245,6 @@ def test_vllms_sampling_extensions_are_refused_unless_neutral_not_ignored():
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     for name, asked, neutral in (
         ("length_penalty", 0.5, 1),
-        ("min_tokens", 8, 0),
         ("bad_words", ["no"], []),
         ("allowed_token_ids", [1, 2], None),
         ("include_stop_str_in_output", True, False),

@@ -150,11 +150,11 @@ def _reference_loop(fp64_model, prompt: list[int], params: SamplingParams, eos: 
     tokens = list(prompt)
     for position in range(params.max_tokens):
         logits = reference_logits(fp64_model.model, tokens)[-1]
-        processed = processed_logits(logits, params, tokens, len(prompt))
+        processed = processed_logits(logits, params, tokens, len(prompt), eos)
         top = torch.topk(processed.float() / max(params.temperature, 1.0), 2).values
         assert top[0] - top[1] > 1e-6, "a near tie: the engine's rounding may pick the other token"
         tokens.append(sample_token(processed, params, 0, position))
-        if tokens[-1] in eos and not params.ignore_eos:
+        if tokens[-1] in eos and not params.ignore_eos and position >= params.min_tokens:
             break
     return tokens[len(prompt) :]
 
@@ -235,6 +235,61 @@ def test_min_p_comes_before_top_p():
     assert abs(one.count(0) / n - p) < 4 * (p * (1 - p) / n) ** 0.5
 
 
+# ---- min_tokens -----------------------------------------------------------------------
+
+
+def test_min_tokens_is_checked():
+    assert SamplingParams(max_tokens=4, min_tokens=4).transforms_logits
+    with pytest.raises(ValueError, match=r"min_tokens must be at most max_tokens \(4\), got 5"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="min_tokens must be >= 0, got -1"):
+        SamplingParams(min_tokens=-1)
+    with pytest.raises(TypeError, match="min_tokens must be an integer"):
+        SamplingParams(min_tokens=1.5)
+
+
+def test_min_tokens_equals_transformers_processor_in_fp64():
+    """transformers' MinNewTokensLengthLogitsProcessor (the EOS ids -inf while fewer than
+    min_new_tokens tokens follow the prompt) on the same fp64 logits: equal exactly, with
+    outputs shorter than, as long as and longer than min_tokens."""
+    from transformers import MinNewTokensLengthLogitsProcessor
+
+    gen = torch.Generator().manual_seed(4)
+    stop = [2, 11, 40]
+    for num_output in range(7):
+        logits = torch.randn(50, generator=gen, dtype=torch.float64)
+        tokens = torch.randint(0, 50, (9 + num_output,), generator=gen).tolist()
+        processor = MinNewTokensLengthLogitsProcessor(9, 4, stop)
+        want = processor(torch.tensor([tokens]), logits.clone()[None])[0]
+        params = SamplingParams(max_tokens=8, min_tokens=4)
+        assert torch.equal(processed_logits(logits, params, tokens, 9, frozenset(stop)), want), num_output
+
+
+def test_min_tokens_holds_eos_and_stop_strings_off(model, fp64):
+    """Greedy "What is the capital of France?" ends with EOS after a few tokens; min_tokens
+    past them goes on (the reference loop's tokens, EOS -inf until then), and a stop string
+    counts only where it ends after the text of the first min_tokens tokens (vLLM's rule): a
+    space stops the answer after its first word, and at min_tokens 5 after those five
+    tokens' text."""
+    prompt = chat_prompt(model, "What is the capital of France?")
+    engine = build_engine(fp64, num_blocks=32, block_size=16)
+    short = engine.generate([prompt], SamplingParams(max_tokens=30))[0].completions[0]
+    assert short.finish_reason == "stop" and short.token_ids[-1] in engine.eos_token_ids
+    n = len(short.token_ids)
+    for batched in (False, True):
+        engine.batched_sampling = batched
+        params = SamplingParams(max_tokens=n + 6, min_tokens=n + 2)
+        out = engine.generate([prompt], params)[0].completions[0]
+        assert len(out.token_ids) >= n + 2 and not set(out.token_ids[: n + 2]) & engine.eos_token_ids
+        assert out.token_ids == reference_loop(fp64, prompt, params, engine.eos_token_ids)
+        spaced = engine.generate([prompt], SamplingParams(max_tokens=30, stop=" "))[0].completions[0]
+        assert spaced.finish_reason == "stop" and " " not in spaced.text and short.text.startswith(spaced.text)
+        held = engine.generate([prompt], SamplingParams(max_tokens=30, stop=" ", min_tokens=5))[0].completions[0]
+        five = model.tokenizer.decode(short.token_ids[:5])
+        assert held.finish_reason == "stop" and held.text == five and held.token_ids == short.token_ids[:6]
+        assert short.text[len(five)] == " "  # (the sixth token begins with the space that stops it)
+
+
 def test_the_server_reads_the_controls_and_refuses_bad_ones():
     """kvpool serve's protocol takes the fields (OpenAI's ranges), and names the field of a bad one."""
     import json
@@ -244,7 +299,7 @@ def test_the_server_reads_the_controls_and_refuses_bad_ones():
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     for model, body in ((CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, chat)):
         asked = {"presence_penalty": -2, "frequency_penalty": 1.5, "repetition_penalty": 1.2}
-        asked |= {"logit_bias": {"50256": -100, "7": 3.5}, "stop_token_ids": [2, 0], "min_p": 0.1}
+        asked |= {"logit_bias": {"50256": -100, "7": 3.5}, "stop_token_ids": [2, 0], "min_p": 0.1, "min_tokens": 3}
         parsed = parse_body(json.dumps({**body, **asked}).encode(), model)
         assert parsed.logit_bias == {"50256": -100.0, "7": 3.5} and parsed.repetition_penalty == 1.2
         for name, bad in (
@@ -256,6 +311,7 @@ def test_the_server_reads_the_controls_and_refuses_bad_ones():
             ("logit_bias", {"-1": 1}),
             ("stop_token_ids", [-1]),
             ("min_p", 1.5),
+            ("min_tokens", -1),
         ):
             with pytest.raises(APIError) as caught:
                 parse_body(json.dumps({**body, name: bad}).encode(), model)

@@ -1691,7 +1691,7 @@ class Engine:
         for i, seq in enumerate(seqs):
             req = seq.request
             if req.controls:
-                row = processed_logits(logits[i], req.params, seq.token_ids, req.num_prompt_tokens)
+                row = processed_logits(logits[i], req.params, seq.token_ids, req.num_prompt_tokens, req.stop_ids)
                 if out is None:
                     out = logits.to(row.dtype, copy=True)
                 out[i] = row
@@ -1793,7 +1793,9 @@ class Engine:
         position = len(tokens) - req.num_prompt_tokens  # seq.num_output_tokens, before this token
         if token is None:
             # (a controlled request's row processed: its penalties and biases over its tokens so far)
-            processed = processed_logits(logits[row], params, tokens, req.num_prompt_tokens) if req.controls else None
+            processed = None
+            if req.controls:
+                processed = processed_logits(logits[row], params, tokens, req.num_prompt_tokens, req.stop_ids)
             try:
                 if self.batched_sampling:
                     token = self._batch_sampler.sample_rows(
@@ -1935,9 +1937,13 @@ class Engine:
         position = len(seq.token_ids) - 1 - req.num_prompt_tokens  # the output position of `token`
         reason = None
         stop_text: str | None = None
-        if token in req.stop_ids:  # (the EOS ids, unless ignore_eos, and the request's stop_token_ids)
+        # min_tokens: nothing but the length ends the sample before that many output tokens
+        # (its stop ids were -inf: `processed_logits`), and after it only a stop string that
+        # ends past the text of those tokens (vLLM's rule)
+        early = position < params.min_tokens
+        if token in req.stop_ids and not early:  # (the EOS ids, unless ignore_eos, and the request's stop_token_ids)
             reason = "stop"
-        elif params.stop and self.decode_text is not None:
+        elif params.stop and self.decode_text is not None and position >= params.min_tokens:
             # A stop string that first appears with this token ends in it: it spans at most
             # 4 bytes a character, so at most that many tokens (byte-level BPE: each decodes
             # to one byte or more), plus the token it starts in. Decode that window, not the
@@ -1948,8 +1954,15 @@ class Engine:
             else:
                 window = self._spm_window(seq, longest)
             if any(s in window for s in params.stop):
-                text = self._output_text(seq, seq.output_ids)
+                output = seq.output_ids
+                text = self._output_text(seq, output)
                 hits = [text.find(s) for s in params.stop if s in text]
+                if params.min_tokens:  # only those ending past the text of the first min_tokens tokens
+                    held = self._output_text(seq, output[: params.min_tokens])
+                    # (where that text ends in half a character, U+FFFD, up to the characters it shares)
+                    base = next((i for i, (a, b) in enumerate(zip(held, text, strict=False)) if a != b), len(held))
+                    hits = [text.find(s, max(0, base - len(s) + 1)) for s in params.stop]
+                    hits = [i for i in hits if i >= 0]
                 if hits:
                     stop_text = text[: min(hits)]  # the text ends before the stop string
                     reason = "stop"

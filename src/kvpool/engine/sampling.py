@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -131,6 +131,11 @@ class SamplingParams:
     # least min_p times the most likely token's (before top-k and top-p, as vLLM); 0: off.
     # Greedy rows take the argmax, which it keeps
     min_p: float = 0.0
+    # No EOS, stop_token_ids id or stop string ends the sample before this many output
+    # tokens (at most max_tokens), as vLLM: the stop ids' logits are -inf until then
+    # (`processed_logits`), and a stop string counts only where it ends after the text of
+    # the first min_tokens tokens (Engine._stop_reason)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -178,6 +183,12 @@ class SamplingParams:
         self._check_logit_bias()
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be >= 0, got {self.min_tokens}"
+                if self.min_tokens < 0
+                else f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
 
     def _check_logit_bias(self) -> None:
         """logit_bias as (id, bias) pairs, ids >= 0 increasing, biases floats in [-100, 100]:
@@ -211,9 +222,13 @@ class SamplingParams:
     @property
     def transforms_logits(self) -> bool:
         """Whether the logits are changed before sampling (`processed_logits`): a penalty, a
-        bias. Such a request takes none of the engine's fast paths."""
+        bias, min_tokens. Such a request takes none of the engine's fast paths."""
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
         )
 
     def _check_stop_token_ids(self) -> None:
@@ -233,7 +248,7 @@ class SamplingParams:
         engine ("'float' object cannot be interpreted as an integer"), seed="1" in a comparison
         naming no field. An integer field takes any integral number (numpy's too), kept as int;
         a bool is refused where a number is asked for (True is 1 to Python, not to a user)."""
-        for name in ("max_tokens", "top_k", "seed", "n", "logprobs"):
+        for name in ("max_tokens", "top_k", "seed", "n", "logprobs", "min_tokens"):
             value = getattr(self, name)
             if type(value) is int or (value is None and name in ("logprobs", "seed")):
                 continue
@@ -452,16 +467,24 @@ def _draw(weights: torch.Tensor, u: float) -> int:
 
 
 def processed_logits(
-    logits: torch.Tensor, params: SamplingParams, token_ids: Sequence[int], num_prompt_tokens: int
+    logits: torch.Tensor,
+    params: SamplingParams,
+    token_ids: Sequence[int],
+    num_prompt_tokens: int,
+    stop_ids: Collection[int] = (),
 ) -> torch.Tensor:
     """The logits [vocab] a request with `transforms_logits` samples from, a new tensor (fp32,
     or the logits' dtype where it is wider; the logits are not written): token_ids the
-    sequence's tokens so far, the prompt's first `num_prompt_tokens` of them, then its output.
-    vLLM's order: logit_bias added; the repetition penalty p over every token the prompt or
+    sequence's tokens so far, the prompt's first `num_prompt_tokens` of them, then its output;
+    stop_ids the ids that would end it (its EOS ids and stop_token_ids: the engine's request's
+    `stop_ids`). vLLM's order: while the output holds fewer than min_tokens tokens, the stop
+    ids' logits -inf; logit_bias added; the repetition penalty p over every token the prompt or
     the output holds (a logit > 0 divided by p, else multiplied by it: the CTRL rule); then
     the frequency penalty times each token's count in the output, and the presence penalty
     for each token in it, subtracted (two subtractions, frequency first)."""
     out = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
+    if stop_ids and len(token_ids) - num_prompt_tokens < params.min_tokens:
+        out[torch.tensor(sorted(stop_ids), dtype=torch.long, device=out.device)] = -math.inf
     if params.logit_bias:
         ids, bias = zip(*params.logit_bias, strict=True)
         out[torch.tensor(ids, device=out.device)] += torch.tensor(bias, dtype=out.dtype, device=out.device)

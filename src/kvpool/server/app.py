@@ -377,6 +377,10 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     def sampling(body: protocol.SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         token_ids_in_vocabulary(body)
+        if body.min_tokens > max_tokens:  # (max_tokens as given, or its default: OpenAI's 16, or the context's room)
+            raise APIError(
+                400, f"min_tokens: {body.min_tokens} is more than the request's max_tokens, {max_tokens}", "min_tokens"
+            )
         seed = body.seed if body.seed is not None else random.getrandbits(31)
         # the protocol checked every field first: a ValueError here is our bug (a 500), not the client's
         return SamplingParams(
@@ -394,6 +398,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
             min_p=body.min_p,
+            min_tokens=body.min_tokens,
             logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
         )
 

@@ -9,14 +9,14 @@ takes) (`parse_body`). Fields OpenAI defines that kvpool does not implement (pen
 echo, best_of > n, suffix, tools, tool_choice, response_format other than
 text) are refused when set to anything but their neutral value, never silently ignored;
 unknown fields are ignored, as OpenAI ignores them, except vLLM's sampling extensions that
-kvpool does not implement (min_tokens, guided_*,
+kvpool does not implement (guided_*, bad_words,
 ...): a client written for vLLM sends them, and they are refused as OpenAI's are. An optional
 field sent as JSON null
 takes its default, as OpenAI takes it (`"temperature": null` is 1.0, `"n": null` is 1); a
 required one (`prompt`, `messages`) sent as null is refused. Extensions served, as vLLM names
 them: `top_k` (0 or vLLM's -1 for all tokens), `ignore_eos`, `stop_token_ids` (ids that end
-a sample besides EOS; one outside the vocabulary a 400), `repetition_penalty` (> 0) and `min_p`
-(in [0, 1]), beside
+a sample besides EOS; one outside the vocabulary a 400), `repetition_penalty` (> 0), `min_p`
+(in [0, 1]) and `min_tokens` (at most the max_tokens the request comes to), beside
 OpenAI's `presence_penalty` / `frequency_penalty` (in [-2, 2]) and `logit_bias` (token id ->
 bias in [-100, 100]; an id outside the vocabulary a 400): engine/sampling.py `processed_logits`.
 """
@@ -90,7 +90,6 @@ class NullIsDefault(BaseModel):
 # vLLM's extensions above -> the values that ask for nothing (JSON null takes the first)
 _VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1.0,),
-    "min_tokens": (0,),
     "bad_words": (None, []),
     "allowed_token_ids": (None,),
     "include_stop_str_in_output": (False,),
@@ -160,10 +159,10 @@ class SamplingRequest(NullIsDefault):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # vLLM's extension
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)  # vLLM's extension
+    min_tokens: int = Field(0, ge=0)  # vLLM's extension: at most the request's max_tokens
     # vLLM's sampling extensions that kvpool does not implement: a client written for vLLM
     # sends them, and would get other tokens than it asked for if they were ignored as unknown
     length_penalty: float = Field(1.0, allow_inf_nan=False)
-    min_tokens: int = 0
     # vLLM's sampling extensions that kvpool serves: token ids that end a sample besides EOS
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     bad_words: list[str] | None = None
