@@ -100,6 +100,15 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_refused(smollm2, capsys):
         (["hi", "--block-size", "two"], "argument --block-size: expected a positive integer, got 'two'"),
         (["hi", "--num-blocks", "-3"], "argument --num-blocks: expected a positive integer, got -3"),
         (["hi", "--top-k", "-1"], "argument --top-k: expected an integer >= 0, got -1"),
+        (["hi", "--presence-penalty", "3"], "argument --presence-penalty: expected a number in [-2, 2], got '3'"),
+        (["hi", "--frequency-penalty", "nan"], "argument --frequency-penalty: expected a number in [-2, 2], got 'nan'"),
+        (
+            ["hi", "--repetition-penalty", "0"],
+            "argument --repetition-penalty: expected a finite positive number, got '0'",
+        ),
+        (["hi", "--min-p", "1.5"], "argument --min-p: expected a number in [0, 1], got '1.5'"),
+        (["hi", "--min-tokens", "-2"], "argument --min-tokens: expected an integer >= 0, got -2"),
+        (["hi", "--stop-token-ids", "2,x"], "argument --stop-token-ids: expected an integer >= 0, got 'x'"),
         ([""], "argument prompt: the prompt is empty"),
         (["  \n"], "argument prompt: the prompt is empty"),
         # (argv's bytes that are not UTF-8, as Python hands them over: a TypeError traceback from the tokenizer)
@@ -186,3 +195,22 @@ def test_generate_seed_takes_what_sampling_params_takes(capsys):
             parser.parse_args(["generate", "hi", "--seed", str(seed)])
         assert exit_info.value.code == 2
         assert "argument --seed: expected a 64-bit signed integer" in capsys.readouterr().err
+
+
+def test_the_sampling_controls_reach_the_request(smollm2, capsys):
+    """--frequency-penalty and the others are the request's: the answer that repeats "hello"
+    greedily does not with the penalty; --stop-token-ids ends it at that id; --min-tokens past
+    --max-tokens, or a stop id outside the vocabulary, is one line naming it."""
+    argv = ["generate", "Say the word hello five times.", "--json", "--max-tokens", "12", "--threads", "1"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main([*argv, "--frequency-penalty", "1.5", "--presence-penalty", "0.5", "--min-tokens", "2"]) == 0
+    penalised = json.loads(capsys.readouterr().out)["token_ids"]
+    assert penalised != plain and penalised[0] == plain[0]
+    assert main([*argv, "--stop-token-ids", f"{plain[2]}"]) == 0
+    stopped = json.loads(capsys.readouterr().out)
+    assert stopped["finish_reason"] == "stop" and stopped["token_ids"] == plain[: plain.index(plain[2]) + 1]
+    assert main([*argv, "--min-tokens", "13"]) == 2
+    assert capsys.readouterr().err.endswith("kvpool generate: error: --min-tokens 13 is more than --max-tokens 12\n")
+    assert main([*argv, "--stop-token-ids", "49152"]) == 2
+    assert "stop_token_ids: token ids [49152] outside the vocabulary [0, 49152)" in capsys.readouterr().err

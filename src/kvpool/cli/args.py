@@ -100,6 +100,22 @@ def deadline_seconds(text: str) -> float:
     return parsed_number(text, float, lambda v: 0 < v <= MAX_DEADLINE_S, f"a positive number up to {MAX_DEADLINE_S:g}")
 
 
+def penalty(text: str) -> float:
+    """A presence or frequency penalty: a float in [-2, 2] (OpenAI's range, as SamplingParams')."""
+    return parsed_number(text, float, lambda v: -2 <= v <= 2, "a number in [-2, 2]")  # nan fails too
+
+
+def unit_interval(text: str) -> float:
+    """A float in [0, 1] (min-p, where 0 is off)."""
+    return parsed_number(text, float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+
+
+def token_id_list(text: str) -> tuple[int, ...]:
+    """Comma-separated token ids, each an integer >= 0 ("2,50256"); the engine checks them
+    against the model's vocabulary."""
+    return comma_list(non_negative_int)(text)
+
+
 def fraction(text: str) -> float:
     """A float in (0, 1] (a share of a GPU's memory)."""
     return parsed_number(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")

@@ -19,8 +19,12 @@ from kvpool.cli.args import (
     host_cache_bytes,
     model_placement,
     non_negative_int,
+    penalty,
+    positive_float,
     positive_int,
     request_seed_int,
+    token_id_list,
+    unit_interval,
 )
 from kvpool.cli.options import (
     BLOCK_SIZE,
@@ -63,6 +67,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, in (0, 1]")
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="keep the k most likely tokens; 0 = off")
+    # the sampling controls beside them (engine/sampling.py SamplingParams; docs/engine.md)
+    parser.add_argument(
+        "--presence-penalty",
+        type=penalty,
+        default=0.0,
+        help="subtracted from the logit of each token the output holds, in [-2, 2]",
+    )
+    parser.add_argument(
+        "--frequency-penalty",
+        type=penalty,
+        default=0.0,
+        help="subtracted from each token's logit times its count in the output, in [-2, 2]",
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=positive_float,
+        default=1.0,
+        help="> 0: the logit of each token of the prompt or the output divided by it where > 0, else "
+        "multiplied; 1 = off",
+    )
+    parser.add_argument(
+        "--min-p",
+        type=unit_interval,
+        default=0.0,
+        help="keep the tokens at least this times as likely as the most likely one, in [0, 1]; 0 = off",
+    )
+    parser.add_argument(
+        "--min-tokens",
+        type=non_negative_int,
+        default=0,
+        help="no EOS, stop token or stop string before this many new tokens (at most --max-tokens)",
+    )
+    parser.add_argument(
+        "--stop-token-ids",
+        type=token_id_list,
+        default=(),
+        metavar="ID[,ID...]",
+        help="token ids that end the answer besides EOS (default: none)",
+    )
     # a 64-bit signed integer, as SamplingParams, serve's seed and LLM take it (-1 was refused here
     # alone); 2**63 was refused after the model loaded in words that named no flag
     parser.add_argument(
@@ -136,6 +179,26 @@ def length_note(max_tokens: int) -> str:
     return f"kvpool generate: note: the output stopped at --max-tokens {max_tokens}, not at a natural end"
 
 
+def sampling_options(args: argparse.Namespace) -> dict[str, object]:
+    """SamplingParams' fields from generate's flags; ValueError naming the flags where
+    --min-tokens exceeds --max-tokens (SamplingParams' own error names its fields)."""
+    if args.min_tokens > args.max_tokens:
+        raise ValueError(f"--min-tokens {args.min_tokens} is more than --max-tokens {args.max_tokens}")
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "repetition_penalty": args.repetition_penalty,
+        "min_p": args.min_p,
+        "min_tokens": args.min_tokens,
+        "stop_token_ids": args.stop_token_ids,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
 
     from kvpool.engine import memory
@@ -150,9 +213,7 @@ def run(args: argparse.Namespace) -> int:
         from kvpool.cli import generate_dsv4
 
         return generate_dsv4.run(args, tiers)
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
-    )
+    params = SamplingParams(**sampling_options(args))
     probe = start_torch_threads(args)
     loaded = load_model(gguf_path(args.model), dtype=dtype, device=device)
     set_torch_threads(args, probe)

@@ -47,9 +47,9 @@ def run(args: argparse.Namespace, tiers: dict[str, object] | None = None) -> int
     if not args.no_chat:
         raise ValueError(f"{MODEL_NAME} has no tokenizer or chat template: pass --no-chat and token ids")
     prompt_ids = parse_token_ids(args.prompt, TINY_DSV4_CONFIG["vocab_size"])
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
-    )
+    from kvpool.cli.generate import sampling_options
+
+    params = SamplingParams(**sampling_options(args))
     start = time.perf_counter()
     probe = start_torch_threads(args)
     model = TinyDSV4()
