@@ -798,3 +798,36 @@ def test_a_batch_stream_the_client_leaves_aborts_every_prompt(server):
     while (report := cache_report(server))["num_requests"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert report["num_requests"] == 0 and report["num_used_blocks"] == 0, report
+
+
+def test_the_sampling_controls_through_the_openai_client(server):
+    """The official client sends OpenAI's penalties and logit_bias as its own arguments and
+    vLLM's extensions in extra_body; they reach the engine (the greedy answer that repeats
+    "hello" does not with them), a streamed answer is the unstreamed one, a stop token id
+    ends a completion with "stop", and out-of-range values are 400s naming the field."""
+    c = client(server)
+    messages = [{"role": "user", "content": "Say the word hello five times."}]
+    plain = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert plain.choices[0].message.content.lower().count("hello") >= 4
+    asked = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
+    asked |= {"frequency_penalty": 1.5, "presence_penalty": 0.5}
+    asked |= {"extra_body": {"repetition_penalty": 1.2, "min_tokens": 4, "min_p": 0.1}}
+    whole = c.chat.completions.create(**asked)
+    stream = c.chat.completions.create(**asked, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == whole.choices[0].message.content != plain.choices[0].message.content
+    hello = 33662  # SmolLM2's " hello" (tokenizer.encode(" hello"))
+    prompt = {"model": MODEL, "prompt": "hello, hello, hello,", "max_tokens": 6, "temperature": 0}
+    assert " hello" in c.completions.create(**prompt).choices[0].text
+    biased = c.completions.create(**prompt, logit_bias={str(hello): -100})
+    assert " hello" not in biased.choices[0].text and biased.usage.completion_tokens == 6
+    stopped = c.completions.create(**prompt, extra_body={"stop_token_ids": [hello]})
+    assert stopped.choices[0].finish_reason == "stop" and " hello" not in stopped.choices[0].text
+    for name, extra in (
+        ("logit_bias", {"logit_bias": {"49152": 1}}),
+        ("stop_token_ids", {"extra_body": {"stop_token_ids": [49152]}}),
+        ("min_tokens", {"extra_body": {"min_tokens": 7}}),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            c.completions.create(**prompt, **extra)
+        assert caught.value.body["param"] == name, caught.value.body
