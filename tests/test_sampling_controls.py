@@ -136,24 +136,27 @@ def test_repetition_penalty_equals_transformers_processor_in_fp64():
 _REFERENCE: dict[tuple, list[int]] = {}  # (prompt, params) -> the loop's tokens: once a module
 
 
-def reference_loop(fp64_model, prompt: list[int], params: SamplingParams, eos: frozenset[int]) -> list[int]:
-    """The tokens a request takes, step by step: each step's logits by a full recompute of the
-    sequence (contiguous attention), processed by `processed_logits` over the tokens so far,
-    sampled by `sample_token` at the output position; the end at EOS or max_tokens."""
-    key = (tuple(prompt), params)
+def reference_loop(
+    fp64_model, prompt: list[int], params: SamplingParams, eos: frozenset[int], sample: int = 0
+) -> list[int]:
+    """The tokens a request's sample takes, step by step: each step's logits by a full
+    recompute of the sequence (contiguous attention), processed by `processed_logits` over the
+    tokens so far, sampled by `sample_token` at (sample, output position); the end at EOS or
+    max_tokens."""
+    key = (tuple(prompt), params, sample)
     if key not in _REFERENCE:
-        _REFERENCE[key] = _reference_loop(fp64_model, prompt, params, eos)
+        _REFERENCE[key] = _reference_loop(fp64_model, prompt, params, eos, sample)
     return _REFERENCE[key]
 
 
-def _reference_loop(fp64_model, prompt: list[int], params: SamplingParams, eos: frozenset[int]) -> list[int]:
+def _reference_loop(fp64_model, prompt: list[int], params: SamplingParams, eos: frozenset[int], sample: int):
     tokens = list(prompt)
     for position in range(params.max_tokens):
         logits = reference_logits(fp64_model.model, tokens)[-1]
         processed = processed_logits(logits, params, tokens, len(prompt), eos)
         top = torch.topk(processed.float() / max(params.temperature, 1.0), 2).values
         assert top[0] - top[1] > 1e-6, "a near tie: the engine's rounding may pick the other token"
-        tokens.append(sample_token(processed, params, 0, position))
+        tokens.append(sample_token(processed, params, sample, position))
         if tokens[-1] in eos and not params.ignore_eos and position >= params.min_tokens:
             break
     return tokens[len(prompt) :]
@@ -180,6 +183,9 @@ def test_the_engine_with_penalties_takes_the_reference_loops_tokens(model, fp64,
     ids = [engine.add_request(prompt, params) for params in cases]
     plain_id = engine.add_request(prompt, plain)
     logged = engine.add_request(prompt, SamplingParams(max_tokens=3, repetition_penalty=3.0, logprobs=2))
+    # n = 2: the second sample's first token drawn from the parent's row before its fork
+    forked = SamplingParams(n=2, max_tokens=5, temperature=1.2, seed=8, frequency_penalty=2.0, ignore_eos=True)
+    pair = engine.add_request(prompt, forked)
     while engine.has_unfinished():
         engine.step()
         engine.runner.check_integrity()
@@ -188,6 +194,8 @@ def test_the_engine_with_penalties_takes_the_reference_loops_tokens(model, fp64,
         got = engine.pop_output(rid).completions[0].token_ids
         assert got == reference_loop(fp64, prompt, params, engine.eos_token_ids), params
         assert got != alone  # the penalties and the bias change the answer here
+    for j, sample in enumerate(engine.pop_output(pair).completions):
+        assert sample.token_ids == reference_loop(fp64, prompt, forked, engine.eos_token_ids, j), j
     out = engine.pop_output(logged).completions[0]
     raw = torch.log_softmax(reference_logits(fp64.model, prompt + out.token_ids[:1])[-1], dim=-1)
     assert abs(out.logprobs[1][0] - raw[out.token_ids[1]].item()) < 1e-9

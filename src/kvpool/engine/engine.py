@@ -544,6 +544,7 @@ class Engine:
             params = self.seed_for(params)
         limit = self.runner.max_model_len
         arrival = self.clock() if arrival_time is None else arrival_time
+        controls = params.transforms_logits
         req = RequestState(
             request_id,
             len(prompt),
@@ -555,10 +556,10 @@ class Engine:
             end_len=min(len(prompt) + params.max_tokens, limit),
             stop_ids=self._stop_ids(params),
             matches_text=bool(params.stop) and self.decode_text is not None,
-            plain=params.n == 1 and params.logprobs is None and not params.transforms_logits,
-            controls=params.transforms_logits,
+            plain=params.n == 1 and params.logprobs is None and not controls,
+            controls=controls,
         )
-        if req.controls:
+        if controls:
             self._num_controlled += 1
         # (the engine's list of the prompt: the sequence's tokens are appended to it)
         seq = SequenceState(f"{request_id}/0", req, 0, prompt, prompt=packed)
