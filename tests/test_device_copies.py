@@ -175,10 +175,14 @@ PARAMS = [
     SamplingParams(temperature=1.3, top_p=0.8, seed=-2),
     SamplingParams(temperature=0.7, top_k=3, seed=9),
     SamplingParams(temperature=1.0, top_k=4, top_p=0.9, seed=1),
+    SamplingParams(temperature=1.5, min_p=0.3, seed=4),  # (its min-p column copied to the device)
+    SamplingParams(temperature=1.1, top_k=5, top_p=0.95, min_p=0.1, seed=6),
 ]
 
 
-@pytest.mark.parametrize("params", [PARAMS, [PARAMS[0], PARAMS[2]] * 2], ids=["mixed", "all_draw"])
+@pytest.mark.parametrize(
+    "params", [PARAMS, [PARAMS[0], PARAMS[2]] * 2, [PARAMS[5]] * 3], ids=["mixed", "all_draw", "all_min_p"]
+)
 def test_the_samplers_uniforms_reach_the_device(device, params) -> None:
     """A kept batch sampled over 36 steps at consecutive positions (the table of the coming
     AHEAD steps' uniforms, then its next) from logits on the device: every step the device's
