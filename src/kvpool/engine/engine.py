@@ -196,7 +196,7 @@ class RequestState:
     end_len: int = 0
     stop_ids: frozenset[int] = frozenset()
     matches_text: bool = False
-    # its logits are changed before sampling (penalties, logit_bias: `processed_logits`)
+    # its logits are changed before sampling (penalties, logit_bias, min_tokens: `processed_logits`)
     controls: bool = False
     # one sample, no logprobs, no controls: its decode tokens take the step's inline path
     plain: bool = False
@@ -1685,7 +1685,7 @@ class Engine:
     @staticmethod
     def _controlled_logits(seqs: Sequence[SequenceState], logits: torch.Tensor) -> torch.Tensor:
         """A step's logits rows (row i: seqs[i]'s) with each controlled request's row processed
-        (`processed_logits`: its penalties and biases over its tokens so far), in a copy;
+        (`processed_logits`: its min_tokens mask, biases and penalties over its tokens so far), in a copy;
         the logits themselves where no row is (the step's logprobs and recorded logits read
         those: the raw model's)."""
         out = None
@@ -1793,7 +1793,7 @@ class Engine:
         tokens = seq.token_ids
         position = len(tokens) - req.num_prompt_tokens  # seq.num_output_tokens, before this token
         if token is None:
-            # (a controlled request's row processed: its penalties and biases over its tokens so far)
+            # (a controlled request's row processed: its mask, biases and penalties over its tokens so far)
             processed = None
             if req.controls:
                 processed = processed_logits(logits[row], params, tokens, req.num_prompt_tokens, req.stop_ids)

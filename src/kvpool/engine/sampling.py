@@ -8,7 +8,8 @@ samples exactly the same tokens.
 Two samplers with the same results: `sample_token` here (one row at a time, on the CPU)
 and `sample_batch` (batch_sampler.py: every row of a step at once, in tensors on the
 logits' device, one host synchronisation for the step's tokens). Both take the same uniform and the same
-arithmetic: the temperature divides the fp32 logits; top-k keeps `topk(scores, k)` and
+arithmetic: the temperature divides the fp32 logits; min-p, where asked, sets the scores
+whose probability falls below min_p times the largest to -inf (`min_p_filtered`); top-k keeps `topk(scores, k)` and
 takes the softmax of those; top-p takes the softmax over the whole vocabulary (in
 vocabulary order), then the candidates by decreasing probability; the draw is the first
 candidate whose cumulative weight exceeds u * total. So on the same logits they give the
@@ -17,6 +18,9 @@ order tied values differently) and, on a GPU, where its sums round otherwise.
 `sample_token` looks for a top-p nucleus among the NUCLEUS_CANDIDATES most likely tokens
 first (exact: the same candidates, sums and draw as the full sort's, the rest weighing
 nothing), which costs it a synchronisation `sample_batch` does not make.
+
+The penalties, logit_bias and min_tokens change a request's logits before either sampler
+(`processed_logits`, which the engine applies to its rows): the samplers see them as logits.
 """
 
 from __future__ import annotations
