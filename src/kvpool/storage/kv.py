@@ -356,17 +356,24 @@ class QuantizedKVStorage:
         slot = self._tail_of.get(block_id)
         if slot is not None:
             return slot
-        if not self._free_tails:
-            old = self.tail_k.shape[1]
-            grow = max(1, old)  # doubling
-            for name in ("tail_k", "tail_v"):
-                t = getattr(self, name)
-                more = t.new_zeros(t.shape[0], grow, *t.shape[2:])
-                setattr(self, name, torch.cat([t, more], 1))
-            self._free_tails.extend(range(old + grow - 1, old - 1, -1))
+        self._reserve_tails(1)
         slot = self._free_tails.pop()
         self._tail_of[block_id] = slot
         return slot
+
+    def _reserve_tails(self, n: int) -> None:
+        """At least n free tail slots: the tensors grow by what is missing, not by doubling,
+        so they hold at most the most slots ever in use at once (what `kvpool plan` prices
+        per running request, capacity/kv.py TAIL_SLOTS); a step reserves its new tails at once."""
+        grow = n - len(self._free_tails)
+        if grow <= 0:
+            return
+        old = self.tail_k.shape[1]
+        for name in ("tail_k", "tail_v"):
+            t = getattr(self, name)
+            more = t.new_zeros(t.shape[0], grow, *t.shape[2:])
+            setattr(self, name, torch.cat([t, more], 1))
+        self._free_tails.extend(range(old + grow - 1, old - 1, -1))
 
     def _drop_tail(self, block_id: int) -> None:
         slot = self._tail_of.pop(block_id, None)
@@ -446,10 +453,18 @@ class QuantizedKVStorage:
         direct_blocks: list[int] = []
         direct_rows: list[int] = []
         r = self.flush
+
+        def direct(b: int) -> bool:  # written whole, out of any window: from the rows
+            return first[b] == 0 and last[b] == bs and len(rows_of[b]) == bs and window.get(b, bs) == bs
+
+        # the new tails, less the stale ones the direct blocks give back below
+        held = [b in self._tail_of for b in first]
+        news = [not h and not direct(b) for b, h in zip(first, held, strict=True)]
+        stale = [h and direct(b) for b, h in zip(first, held, strict=True)]
+        self._reserve_tails(sum(news) - sum(stale))
         for b, fb in first.items():
             fa = last[b]
-            whole = fb == 0 and fa == bs and len(rows_of[b]) == bs
-            if whole and window.get(b, bs) == bs:  # written whole, out of any window: from the rows
+            if direct(b):
                 self._drop_tail(b)  # (a stale one of a block freed half written)
                 direct_blocks.append(b)
                 direct_rows.extend(sorted(rows_of[b], key=lambda i: offsets[i]))
