@@ -652,7 +652,10 @@ def test_the_planner_counts_what_the_quantized_storage_allocates_byte_for_byte(n
     bs = 128 if name.startswith("kivi") else 16
     storage = QuantizedKVStorage(spec.num_layers, 40, bs, spec.num_kv_heads, spec.head_dim, kv_schema(name))
     layout = kv_layout(spec, name, block_size=bs, alignment=1)
-    lines = occupancy(layout, storage.num_bytes, 40 * bs, 1)  # one request filling the 40 blocks
+    # one request filling the 40 blocks, and the full-precision tails of a chunked format
+    lines = occupancy(layout, storage.num_bytes + layout.state_block_bytes, 40 * bs, 1)
+    assert lines.get("kv_tails", 0.0) == layout.state_block_bytes == layout.tail_bytes_per_request
+    assert (layout.tail_bytes_per_request > 0) == (storage.flush > 1)
     assert lines["quant_scales"] == storage.scale_bytes > 0
     assert lines["data"] == storage.k.nbytes + storage.v.nbytes
     assert lines["unused"] == lines["tail_waste"] == lines["alignment_padding"] == 0
@@ -684,6 +687,89 @@ def test_kvpool_plan_takes_every_format_and_kivi_picks_a_block_that_holds_its_re
     ]:
         proc = subprocess.run([*argv, *flags], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and needle in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_planner_prices_the_chunked_formats_full_precision_tails_per_request(tp) -> None:
+    """llama-3.1-8b (32 layers, 8 KV heads of 128), BF16 tails. A tail slot of
+    storage/kv.py is one block of K and one of V, every layer, the rank's heads: kivi2's
+    block is 128 tokens and a request holds at most 4 slots (V's window of R = 128 spans two
+    blocks; a prefill chunk holds the window it began with and the one it ends with);
+    fp8_e4m3's block is 16 tokens, 2 slots (the block a step completes and the one it opens)."""
+    from kvpool.capacity.planner import plan
+    from kvpool.spec.gpus import get_gpu
+    from kvpool.spec.models import load_preset
+
+    spec, heads = load_preset("llama-3.1-8b"), 8 // tp
+    kivi = 4 * 2 * 32 * heads * 128 * 128 * 2  # slots x (K, V) x layers x heads x dims x tokens x B
+    fp8 = 2 * 2 * 32 * heads * 128 * 16 * 2
+    assert kivi == {1: 67_108_864, 2: 33_554_432}[tp] and fp8 == {1: 4_194_304, 2: 2_097_152}[tp]
+    # a layer's block, padded to 256 B: kivi2 128 tokens x 768 B / 8 heads (no padding); fp8_e4m3
+    # 16 tokens x 256 B codes + 2 fp32 scales a head: 8 heads 32,832 -> 33,024 B, 4 heads 16,640 B
+    layer_block = {"kivi2": 128 * 96 * heads, "fp8_e4m3": {1: 33_024, 2: 16_640}[tp]}
+    for name, tails, bs in (("kivi2", kivi, 128), ("fp8_e4m3", fp8, 16)):
+        p = plan(spec, get_gpu("h100"), num_gpus=tp, tp=tp, context_len=1024, kv_dtype=name)
+        assert p.layout.tail_bytes_per_request == p.layout.state_bytes_per_request == tails
+        request = 1024 // bs * 32 * layer_block[name] + tails  # 1,024 tokens fill whole blocks
+        assert p.layout.request_bytes(1024) == request
+        assert p.max_concurrent_per_replica == p.ledger.pool_bytes // request
+        d = p.as_dict()
+        assert d["kv_tail_bytes_per_request"] == d["state_bytes_per_request"] == tails
+        assert p.occupancy["kv_tails"] == tails * p.max_concurrent_per_replica
+        assert "state" not in p.occupancy
+    # per-token formats keep no tail
+    assert plan(spec, get_gpu("h100"), context_len=1024, kv_dtype="int8").layout.tail_bytes_per_request == 0
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    name=st.sampled_from(["fp8_e4m3", "kivi2-g8-r8", "kivi4-g8-r16"]),
+    lens=st.lists(st.integers(1, 70), min_size=1, max_size=5),
+    budget=st.integers(8, 64),
+    seed=st.integers(0, 100),
+)
+def test_the_planners_tail_bound_holds_what_an_engine_run_allocates(model, name, lens, budget, seed) -> None:
+    """The engine's measured ledger line kv_tails (storage.tail_bytes, a tensor that only
+    grows) never passes the planner's bound per request times the most requests running."""
+    from kvpool.capacity.kv import kv_layout
+    from kvpool.engine.memory import measure
+    from kvpool.spec.models import from_hf_config
+
+    c = CONFIG
+    spec = from_hf_config(
+        {
+            "model_type": "llama",
+            "num_hidden_layers": c.num_layers,
+            "hidden_size": c.hidden_size,
+            "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "intermediate_size": c.intermediate_size,
+            "vocab_size": c.vocab_size,
+            "max_position_embeddings": c.max_position,
+        }
+    )
+    bound = kv_layout(spec, name, block_size=16, compute_bytes=8).tail_bytes_per_request  # fp64 model
+    runner = llama_runner(model, 48, 16, DESCRIPTOR, kv_format=name)
+    engine = Engine(runner, max_num_batched_tokens=budget, max_num_seqs=4)
+    for i, n in enumerate(lens):
+        engine.add_request(random_ids(n, seed + i), SamplingParams(max_tokens=1 + (seed + i) % 9, ignore_eos=True))
+    most, steps = 0, 0
+    storage = runner.executor.storage
+    write_index = storage.write_index
+
+    def counted(*args, **kwargs):  # the requests holding blocks while a step writes
+        nonlocal most
+        most = max(most, len(runner.cache.request_ids))
+        return write_index(*args, **kwargs)
+
+    storage.write_index = counted
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        assert storage.tail_bytes <= most * bound, (steps, storage.num_tails, most)
+    measured = measure(runner, 0, 0).details["workspace"].get("kv_tails", 0)
+    assert measured == storage.tail_bytes <= most * bound and measured > 0
 
 
 def test_the_planner_refuses_per_token_formats_where_they_do_not_apply() -> None:

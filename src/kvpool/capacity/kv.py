@@ -11,7 +11,12 @@ variants:
   Lightning-Indexer key per token (FP8: 128 + 4 scale bytes = 132 B);
 - DeepSeek-V4: the classical pool (compressed CSA / HCA entries and indexer keys, only
   complete `lcm(m, m')`-token blocks) plus one fixed-size state block per request (SWA
-  window + compressor tails), both taken from `kvpool.spec.dsv4`.
+  window + compressor tails), both taken from `kvpool.spec.dsv4`;
+- kvpool's chunked formats (the block-scaled fp8_e4m3 / fp8_e5m2, KIVI): codes and scales
+  in the blocks, plus the full-precision tails their storage keeps beside the pool for a
+  running request's unfinished chunks (`tail_bytes_per_request`, counted in the per-request
+  state): storage/kv.py's tail slot is one whole block of K and of V, every layer, the
+  rank's KV heads, in the compute dtype; a request holds at most TAIL_SLOTS of them.
 
 Tensor parallelism divides the cache only when it is sharded by head: GQA / MHA caches
 split their KV heads over the TP ranks (a rank keeps at least one head, so a TP size above
@@ -40,6 +45,14 @@ INDEXER_FORMATS: tuple[str, ...] = ("fp8", "mxfp4", "bf16")
 DEFAULT_ALIGNMENT = 256  # bytes; cudaMalloc's alignment, and what paged kernels assume per page
 
 _STORAGE_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "fp8"}
+
+# Tail slots one request holds at once in kvpool's chunked storage (storage/kv.py
+# `write_index`: the tails of blocks filled in a step are freed at the next step's start).
+# Block-scaled fp8: the partial block a step completes and the new partial block it leaves.
+# KIVI: V's window of the last R <= block-size tokens spans at most two blocks, each kept
+# until it is full and out of the window; a prefill chunk that crosses two block boundaries
+# holds the two of the window it began with and the two of the window it ends with.
+TAIL_SLOTS = {"block": 2, "window": 4}
 
 
 @dataclass(frozen=True)
@@ -144,11 +157,14 @@ class KVLayout:
     block_size: int
     tp: int
     groups: tuple[PageGroup, ...]
-    state_bytes_per_request: float  # V4 state block (SWA window + compressor tails); 0 otherwise
+    # V4 state block (SWA window + compressor tails); the chunked formats' full-precision
+    # tails (tail_bytes_per_request); 0 otherwise
+    state_bytes_per_request: float
     sharded_by_head: bool
     kv_heads_per_gpu: int | None  # GQA only
     alignment: int = DEFAULT_ALIGNMENT
     indexer_format: str | None = None  # V3.2 / V4 indexer keys
+    tail_bytes_per_request: float = 0.0  # the chunked formats' tails: all of the state, when not 0
 
     @property
     def bytes_per_token(self) -> float:
@@ -229,8 +245,10 @@ def kv_layout(
     tp: int = 1,
     indexer_format: str | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
+    compute_bytes: int = 2,
 ) -> KVLayout:
-    """The per-GPU KV layout of `model` at tensor-parallel size `tp`."""
+    """The per-GPU KV layout of `model` at tensor-parallel size `tp`. compute_bytes: the
+    element of the chunked formats' full-precision tails (the compute dtype: BF16's 2)."""
     if tp <= 0:
         raise ValueError(f"tp must be positive, got {tp}")
     if alignment <= 0:
@@ -243,8 +261,10 @@ def kv_layout(
         raise ValueError(f"block_size must be positive, got {q}")
     if indexer_format is not None and indexer_format not in INDEXER_FORMATS:
         raise ValueError(f"unknown indexer format {indexer_format!r}; known: {list(INDEXER_FORMATS)}")
+    if compute_bytes <= 0:
+        raise ValueError(f"compute_bytes must be positive, got {compute_bytes}")
     if model.attention == "gqa":
-        return _gqa_layout(model, dtype, q, tp, alignment)
+        return _gqa_layout(model, dtype, q, tp, alignment, compute_bytes)
     if _own_format(dtype):
         raise ValueError(f"kv dtype {dtype!r} is for GQA / MHA layers; {model.name} is {model.attention}")
     if model.attention == "mla":
@@ -260,14 +280,18 @@ def kv_layout(
     return _dsv4_layout(model, dtype, q, tp, indexer_format or "fp8", alignment)
 
 
-def _gqa_layout(model: ModelSpec, dtype: str, q: int, tp: int, alignment: int) -> KVLayout:
+def _gqa_layout(model: ModelSpec, dtype: str, q: int, tp: int, alignment: int, compute_bytes: int) -> KVLayout:
     heads = kv_heads_per_gpu(model.num_kv_heads, tp)
     scale_bytes = 0.0
+    tails = 0
     if _own_format(dtype):  # the schema's codes, and its scales amortized over the block
         schema = kv_schema(dtype)
         schema.check(q, model.head_dim)
         entry_bytes = heads * schema.data_bytes_per_block_head(q, model.head_dim) / q
         scale_bytes = heads * schema.scale_bytes_per_block_head(q, model.head_dim) / q
+        if schema.flush(q) > 1:  # chunked: a tail slot is a block's K and V, every layer
+            slots = TAIL_SLOTS["window" if schema.value_window else "block"]
+            tails = slots * 2 * model.num_layers * heads * model.head_dim * q * compute_bytes
     else:
         # One token's K and V in one layer: the spec's formula (spec/layout.py), per GPU's heads.
         entry_bytes = LayerSpec(AttentionKind.FULL, heads, model.head_dim, _STORAGE_DTYPE[dtype]).bytes_per_token
@@ -291,7 +315,18 @@ def _gqa_layout(model: ModelSpec, dtype: str, q: int, tp: int, alignment: int) -
         )
         for w, n in sorted(by_window.items(), key=lambda item: (item[0] is not None, item[0] or 0))
     )
-    return KVLayout(model.name, dtype, q, tp, groups, 0.0, heads * tp == model.num_kv_heads, heads, alignment)
+    return KVLayout(
+        model.name,
+        dtype,
+        q,
+        tp,
+        groups,
+        float(tails),
+        heads * tp == model.num_kv_heads,
+        heads,
+        alignment,
+        tail_bytes_per_request=float(tails),
+    )
 
 
 def _indexer_key_bytes(head_dim: int, fmt: str) -> tuple[float, float]:

@@ -26,7 +26,8 @@ assumption a named field (defaults below) that the CLI can change:
   TP > 1: an out-of-place all-reduce buffer of the largest activation (tokens x hidden)
   plus `nccl_buffer_bytes` of NCCL channel buffers; with expert parallelism, all-to-all
   dispatch / combine buffers (2 x tokens x top-k x hidden).
-- kv_pool: the blocks themselves (data, quantization scales, alignment padding, V4 state)
+- kv_pool: the blocks themselves (data, quantization scales, alignment padding, V4 state,
+  the chunked formats' full-precision tails per running request)
   and the block tables (int32, `max_num_seqs` x blocks of the longest request, per group)
   plus per-step slot mappings (int64 per batched token). Block tables are counted before the
   pool is sized, so they are never given to blocks.
@@ -178,7 +179,9 @@ def build_ledger(
             + (a.nccl_buffer_bytes if tp == 1 else 0)
         )
 
-    num_kv_tensors = sum(g.num_layers for g in layout.groups) + (1 if layout.state_bytes_per_request else 0)
+    # + V4's state pool, or the chunked formats' two tail tensors (K and V, storage/kv.py)
+    state_tensors = 2 if layout.tail_bytes_per_request else 1 if layout.state_bytes_per_request else 0
+    num_kv_tensors = sum(g.num_layers for g in layout.groups) + state_tensors
     allocator = {
         "cuda_context": float(a.cuda_context_bytes),
         "fragmentation": a.fragmentation_fraction * (sum(workspace.values()) + sum(transient.values())),

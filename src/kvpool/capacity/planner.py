@@ -4,7 +4,8 @@ For a model on `num_gpus` GPUs in tensor-parallel groups of `tp` (num_gpus / tp 
 parallel replicas), every GPU of a group holds its share of the weights and the same
 number of tokens of KV. The ledger (`kvpool.capacity.ledger`) gives the per-GPU pool; a
 request of context L costs `layout.request_bytes(L)` of it (whole blocks of every page
-group plus, for V4, one state block). Then
+group plus, for V4, one state block, and for kvpool's chunked formats the full-precision
+tails their storage keeps per running request). Then
 
     max concurrent requests at L = floor(pool / request_bytes(L))  (per replica)
     max context at n requests     = the largest L with n * request_bytes(L) <= pool
@@ -97,6 +98,8 @@ class Plan:
             "kv_bytes_per_token": whole.bytes_per_token,  # whole model, unpadded
             "kv_bytes_per_token_per_gpu": self.layout.bytes_per_token,
             "state_bytes_per_request": self.layout.state_bytes_per_request,
+            # of which the chunked formats' full-precision tails (storage/kv.py), per GPU
+            "kv_tail_bytes_per_request": self.layout.tail_bytes_per_request,
             "context_len": self.context_len,
             "kv_bytes_at_context": whole.kv_bytes_at_context(self.context_len),  # whole model, one request
             "kv_bytes_at_context_per_gpu": self.layout.request_bytes(self.context_len),  # paged, padded
@@ -127,6 +130,12 @@ class Plan:
                 "measured_bytes": frag.wasted_slots * per_slot,
             },
         }
+
+
+def _state_words(layout: KVLayout) -> str:
+    if layout.tail_bytes_per_request:
+        return " and its full-precision tails"
+    return " and its state" if layout.state_block_bytes else ""
 
 
 def max_concurrent(layout: KVLayout, pool_bytes: float, context_len: int) -> int:
@@ -163,7 +172,8 @@ def occupancy(layout: KVLayout, pool_bytes: float, context_len: int, num_request
 
     data / quant_scales: the cached entries; alignment_padding: per-layer block round-up;
     tail_waste: unfilled slots of partial blocks (internal fragmentation); state: V4 state
-    blocks; unused: the rest. The lines sum to pool_bytes.
+    blocks, or kv_tails: the chunked formats' full-precision tails (the per-request state of
+    a GQA layout); unused: the rest. The lines sum to pool_bytes.
     """
     data = scales = padding = tail = 0.0
     for g in layout.groups:
@@ -178,7 +188,7 @@ def occupancy(layout: KVLayout, pool_bytes: float, context_len: int, num_request
         "quant_scales": scales * num_requests,
         "alignment_padding": padding * num_requests,
         "tail_waste": tail * num_requests,
-        "state": float(layout.state_block_bytes * num_requests),
+        ("kv_tails" if layout.tail_bytes_per_request else "state"): float(layout.state_block_bytes * num_requests),
     }
     out["unused"] = pool_bytes - sum(out.values())
     return out
@@ -234,14 +244,17 @@ def plan(
     if expert_parallel and model.moe is None:
         raise ValueError(f"{model.name} has no experts to split: expert parallelism needs a MoE model")
     ep = num_gpus if expert_parallel else None
-    # the CPU engine's storage pads nothing: one tensor per layer, blocks back to back
-    layout = kv_layout(model, kv_dtype, block_size, tp, indexer_format, **({"alignment": FP32} if engine else {}))
+    if engine is None:
+        assumptions = assumptions if assumptions is not None else LedgerAssumptions()
+    # the CPU engine's storage pads nothing: one tensor per layer, blocks back to back; the
+    # chunked formats' tails are in the compute dtype (the activations')
+    extra = {"alignment": FP32} if engine else {"compute_bytes": assumptions.activation_bytes}
+    layout = kv_layout(model, kv_dtype, block_size, tp, indexer_format, **extra)
     weights = weight_bytes(model, tp, weight_dtype, ep)
     if engine is not None:
         ctx = engine_max_context(model, layout, engine) if context_len is None else ctx
         ledger = build_engine_ledger(model, layout, weights.per_gpu_bytes, gpu.memory_bytes, engine)
     else:
-        assumptions = assumptions if assumptions is not None else LedgerAssumptions()
         ledger = build_ledger(model, layout, weights.per_gpu_bytes, gpu.memory_bytes, ctx, assumptions, ep)
     pool = ledger.pool_bytes
     per_replica = max_concurrent(layout, pool, ctx)
@@ -259,7 +272,7 @@ def plan(
                 f"--concurrency {concurrency:,} does not fit the KV pool at any context: its "
                 f"{pool / 2**30:,.2f} GiB per GPU hold at most {most:,} requests of one token "
                 f"({layout.request_bytes(1):,} B each: a block of every group"
-                f"{' and its state' if layout.state_block_bytes else ''}), {most * replicas:,} over "
+                f"{_state_words(layout)}), {most * replicas:,} over "
                 f"{replicas:,} replica{'s' if replicas > 1 else ''}; ask for {most * replicas:,} or fewer"
             )
         max_ctx_mem = max_context(layout, pool, per_replica_requests)

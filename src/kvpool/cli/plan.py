@@ -408,6 +408,17 @@ def _print_pd(pd: dict[str, object]) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+def _tail_words(p) -> str:
+    """What a chunked format's per-request state is: its storage's full-precision tails."""
+    from kvpool.capacity.kv import TAIL_SLOTS
+    from kvpool.spec.kv_formats import kv_schema
+
+    if not p.layout.tail_bytes_per_request:
+        return ""
+    slots = TAIL_SLOTS["window" if kv_schema(p.layout.kv_dtype).value_window else "block"]
+    return f" (full-precision tails: {slots} blocks of K and V)"
+
+
 def _gib(x: float) -> str:
     """Bytes in the largest unit that keeps the figure >= 1 (GiB, MiB, KiB, B)."""
     for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
@@ -467,7 +478,7 @@ def print_plan(p: Plan, utilization: float = 1.0) -> None:
         ),
         ("KV bytes / token (model)", f"{d['kv_bytes_per_token']:,.1f} B"),
         ("KV bytes / token (per GPU)", f"{d['kv_bytes_per_token_per_gpu']:,.1f} B"),
-        ("state bytes / request", f"{d['state_bytes_per_request']:,.0f} B"),
+        ("state bytes / request", f"{d['state_bytes_per_request']:,.0f} B" + _tail_words(p)),
         (f"KV at {p.context_len:,} tokens (model)", _gib(d["kv_bytes_at_context"])),
         (f"KV at {p.context_len:,} tokens (per GPU, paged)", _gib(d["kv_bytes_at_context_per_gpu"])),
     ]
