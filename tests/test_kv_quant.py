@@ -793,3 +793,22 @@ def test_the_simulator_takes_the_per_token_formats() -> None:
 
     # head_dim 128: bf16 is 256 B a head and token for K (and for V), int8 128 B + a 4 B scale
     assert capacity("int8") / capacity("bf16") == pytest.approx(256 / 132, rel=0.01)
+
+
+def test_the_simulator_keeps_the_chunked_formats_tails_out_of_its_blocks() -> None:
+    """kivi2 on llama-3.1-8b: 64 MiB of BF16 tails for each of --max-num-seqs 100 requests
+    (4 blocks of 128 tokens, K and V, 32 layers, 8 heads of 128), taken from the pool before
+    it is cut into 3 MiB blocks (128 tokens x 24,576 B)."""
+    import json
+
+    argv = [sys.executable, "-m", "kvpool", "simulate", "--model", "llama-3.1-8b", "--gpu", "h200", "--json"]
+    proc = subprocess.run(
+        [*argv, "--kv-dtype", "kivi2", "--requests", "5", "--max-num-seqs", "100"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["kv_tail_bytes"] == 100 * 4 * 2 * 32 * 8 * 128 * 128 * 2 == 100 * 2**26
+    assert d["block_bytes"] == 128 * 24_576
+    assert d["num_blocks"] == (d["kv_pool_bytes"] - d["kv_tail_bytes"]) // d["block_bytes"]
+    proc = subprocess.run([*argv, "--kv-dtype", "int8", "--requests", "5"], capture_output=True, text=True)
+    assert "kv_tail_bytes" not in json.loads(proc.stdout)  # a per-token format keeps no tail

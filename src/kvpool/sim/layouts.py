@@ -38,6 +38,7 @@ planner's KV pool (`kvpool plan`'s ledger) for one replica:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -58,6 +59,7 @@ class BuiltLayout:
     block_size: int  # tokens per block (contiguous: max_model_len; dual: the classical span)
     capacity_tokens: int  # the longest sequence one replica's cache holds alone
     checkpoint_bytes: int = 0  # V4 dual: what one state snapshot holds (a copy moves it)
+    tail_bytes: int = 0  # kvpool's chunked formats: full-precision tails, max_num_seqs of them, in pool_bytes
 
     @property
     def num_state_blocks(self) -> int:
@@ -166,6 +168,35 @@ def build_layout(
         # the unfinished span lives in the state block (engine/dsv4_runner.py)
         capacity = num_blocks * q + q - 1
         return BuiltLayout(name, manager, block, state, pool, q, capacity, checkpoint)
+    tails = int(layout.tail_bytes_per_request)
+    if tails and name != "contiguous":  # (a contiguous slot is request_bytes: its tails are in it)
+        # kvpool's chunked formats: the full-precision tails of every request that may run
+        # (the planner's per-request state, capacity/kv.py), kept out of the blocks' bytes
+        reserved = max_num_seqs * tails
+        if pool - reserved < layout.bytes_per_block_all_groups:
+            raise ValueError(
+                f"the full-precision tails of {max_num_seqs:,} running requests ({tails:,} B each, "
+                f"{layout.kv_dtype}) leave no KV pool of the {pool / 2**30:,.2f} GiB: lower --max-num-seqs"
+            )
+        pool -= reserved
+        built = _build_after_tails(plan, name, pool, descriptor, enable_prefix_caching, max_model_len, num_blocks)
+        return dataclasses.replace(built, pool_bytes=pool + reserved, tail_bytes=reserved)
+    return _build_after_tails(plan, name, pool, descriptor, enable_prefix_caching, max_model_len, num_blocks)
+
+
+def _build_after_tails(
+    plan: Plan,
+    name: str,
+    pool: int,
+    descriptor: CacheDescriptor,
+    enable_prefix_caching: bool,
+    max_model_len: int,
+    num_blocks: int | None,
+) -> BuiltLayout:
+    """The paged, hybrid and contiguous layouts over `pool` bytes (the chunked formats'
+    tails already taken out)."""
+    layout, v4 = plan.layout, plan.model.dsv4
+    q = layout.block_size
     if name == "hybrid":
         return _hybrid(plan, pool, descriptor, enable_prefix_caching, max_model_len)
     if name == "contiguous":

@@ -175,6 +175,8 @@ def build_report(
         "kv_capacity_tokens": int(sum(s["kv_capacity_tokens"] for s in stats)),
         "kv_capacity_bytes": int(sum(s["kv_capacity_bytes"] for s in stats)),
         "kv_pool_bytes": int(first.layout.pool_bytes),
+        # kvpool's chunked formats: the full-precision tails of --max-num-seqs requests, of the pool
+        **({"kv_tail_bytes": int(first.layout.tail_bytes)} if first.layout.tail_bytes else {}),
         "block_size": int(stats[0]["block_size"]),
         "num_blocks": int(sum(s["num_blocks"] for s in stats)),
         "state_blocks": int(sum(s["state_blocks"] for s in stats)),
