@@ -21,6 +21,10 @@ def test_plan_pd_defaults_the_prompt_to_half_the_context_and_moves_its_full_bloc
     assert out["prefill"]["kv_bytes_per_token_per_gpu"] == PER_TOKEN
     assert out["decode"]["kv_bytes_per_token_per_gpu"] == PER_TOKEN / 2  # TP 2: half the KV heads a GPU
     assert out["transfer_bytes_per_request"] == (4095 // 16) * 16 * PER_TOKEN  # 255 full blocks, not the tail
+    # kivi2 (128-token blocks of 24,576 B a token): the prompt's 31 whole blocks of codes,
+    # not the prefill side's full-precision tails (its per-request state)
+    out = plan_pd(model, gpu, 1, 2, 8191, kv_dtype="kivi2")
+    assert out["transfer_bytes_per_request"] == (4095 // 128) * 128 * 24_576
     with pytest.raises(ValueError, match="exceeds the context"):
         plan_pd(model, gpu, 1, 1, 1024, 2048)
     with pytest.raises(ValueError, match="must be positive"):

@@ -80,5 +80,8 @@ def plan_pd(
             whole = kv_layout(model, part.layout.kv_dtype, bs, 1, part.layout.indexer_format)
             # the blocks before the last token: at an exact multiple, one fewer than prompt // bs
             moved = (prompt - 1) // bs * bs
-            out["transfer_bytes_per_request"] = int(whole.kv_bytes_at_context(moved))
+            # (kvpool's chunked formats: whole blocks move as codes; their full-precision tails
+            # are the prefill side's workspace, counted in its state but not moved)
+            moved_bytes = whole.kv_bytes_at_context(moved) - whole.tail_bytes_per_request
+            out["transfer_bytes_per_request"] = int(moved_bytes)
     return out
