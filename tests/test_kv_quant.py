@@ -812,3 +812,11 @@ def test_the_simulator_keeps_the_chunked_formats_tails_out_of_its_blocks() -> No
     assert d["num_blocks"] == (d["kv_pool_bytes"] - d["kv_tail_bytes"]) // d["block_bytes"]
     proc = subprocess.run([*argv, "--kv-dtype", "int8", "--requests", "5"], capture_output=True, text=True)
     assert "kv_tail_bytes" not in json.loads(proc.stdout)  # a per-token format keeps no tail
+    # llama-3.1-70b on H100s: at TP 2 the pool's 10.05 GiB a GPU cannot hold 256 requests'
+    # tails of 80 MiB (80 layers, 4 heads of 128, 4 blocks of 128, K and V, BF16): TP 4 is
+    # the fewest GPUs that simulate (which took TP 2, then found no pool)
+    argv = [sys.executable, "-m", "kvpool", "simulate", "--model", "llama-3.1-70b", "--gpu", "h100", "--json"]
+    proc = subprocess.run([*argv, "--kv-dtype", "kivi2", "--requests", "5"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["tp"] == 4 and d["kv_tail_bytes"] == 256 * 80 * 2 * 128 * 128 * 2 * 2 * 4 == 10 * 2**30

@@ -157,6 +157,7 @@ def fit_tp(
     """`tp`, or the fewest GPUs (1, 2, 4, 8) whose pool holds a few blocks of every group,
     under `assumptions` (None: LedgerAssumptions' defaults); deployment_of passes the run's
     engine limits and host mode (simulator.engine_assumptions), as plan_replica sizes the pool."""
+    from kvpool.capacity.ledger import LedgerAssumptions
     from kvpool.capacity.planner import plan
 
     if gpu.kind == "cpu":  # one machine: no tensor parallelism across CPUs
@@ -186,7 +187,10 @@ def fit_tp(
             )
         except ValueError:
             continue
-        if p.ledger.pool_bytes > 4 * p.layout.bytes_per_block_all_groups + p.layout.state_block_bytes * 4:
+        state = p.layout.state_block_bytes * 4
+        if p.layout.tail_bytes_per_request:  # the chunked formats' tails of every request that may run
+            state = p.layout.tail_bytes_per_request * (assumptions or LedgerAssumptions()).max_num_seqs
+        if p.ledger.pool_bytes > 4 * p.layout.bytes_per_block_all_groups + state:
             return tp
     raise ValueError(f"{model.name} does not fit 8 x {gpu.name}")
 
