@@ -729,8 +729,10 @@ def test_the_planner_prices_the_chunked_formats_full_precision_tails_per_request
     seed=st.integers(0, 100),
 )
 def test_the_planners_tail_bound_holds_what_an_engine_run_allocates(model, name, lens, budget, seed) -> None:
-    """The engine's measured ledger line kv_tails (storage.tail_bytes, a tensor that only
-    grows) never passes the planner's bound per request times the most requests running."""
+    """The tail slots in use never pass the planner's per-request count (the schema's
+    tail_slots) times the requests holding blocks, and the engine's measured ledger line
+    kv_tails (storage.tail_bytes, tensors that only grow, by doubling) never passes the
+    planner's bound per request times max_num_seqs: what `kvpool plan` prices."""
     from kvpool.capacity.kv import kv_layout
     from kvpool.engine.memory import measure
     from kvpool.spec.models import from_hf_config
@@ -750,8 +752,9 @@ def test_the_planners_tail_bound_holds_what_an_engine_run_allocates(model, name,
         }
     )
     bound = kv_layout(spec, name, block_size=16, compute_bytes=8).tail_bytes_per_request  # fp64 model
-    runner = llama_runner(model, 48, 16, DESCRIPTOR, kv_format=name)
+    runner = llama_runner(model, 48, 16, DESCRIPTOR, kv_format=name, max_num_seqs=4, max_num_batched_tokens=budget)
     engine = Engine(runner, max_num_batched_tokens=budget, max_num_seqs=4)
+    slots = kv_schema(name).tail_slots
     for i, n in enumerate(lens):
         engine.add_request(random_ids(n, seed + i), SamplingParams(max_tokens=1 + (seed + i) % 9, ignore_eos=True))
     most, steps = 0, 0
@@ -767,9 +770,10 @@ def test_the_planners_tail_bound_holds_what_an_engine_run_allocates(model, name,
     while engine.has_unfinished():
         engine.step()
         steps += 1
-        assert storage.tail_bytes <= most * bound, (steps, storage.num_tails, most)
+        assert storage.num_tails <= most * slots, (steps, storage.num_tails, most)
+        assert storage.tail_bytes <= 4 * bound, (steps, storage.tail_bytes, bound)
     measured = measure(runner, 0, 0).details["workspace"].get("kv_tails", 0)
-    assert measured == storage.tail_bytes <= most * bound and measured > 0
+    assert measured == storage.tail_bytes <= 4 * bound and measured > 0
 
 
 def test_the_planner_refuses_per_token_formats_where_they_do_not_apply() -> None:
@@ -820,3 +824,24 @@ def test_the_simulator_keeps_the_chunked_formats_tails_out_of_its_blocks() -> No
     assert proc.returncode == 0, proc.stderr
     d = json.loads(proc.stdout)
     assert d["tp"] == 4 and d["kv_tail_bytes"] == 256 * 80 * 2 * 128 * 128 * 2 * 2 * 4 == 10 * 2**30
+
+
+def test_the_tails_double_up_to_the_sequences_bound_and_past_it_only_by_what_a_step_needs() -> None:
+    """Tail slots are allocated as a list grows (1, 2, 4, ...), capped at max_seqs x the
+    schema's tail_slots (fp8_e4m3: 2 a sequence), past which a step that needs more gets
+    exactly what is missing; without max_seqs they double with no cap."""
+    from kvpool.storage.kv import QuantizedKVStorage
+
+    def sizes(max_seqs: int | None, wants: list[int]) -> list[int]:
+        storage = QuantizedKVStorage(2, 8, 16, 1, 16, kv_schema("fp8_e4m3"), max_seqs=max_seqs)
+        out = []
+        for n in wants:  # take n slots more, one reservation each
+            storage._reserve_tails(n)
+            del storage._free_tails[len(storage._free_tails) - n :]
+            out.append(storage.tail_k.shape[1])
+        assert storage.tail_k.shape == storage.tail_v.shape[:2] + storage.tail_k.shape[2:]
+        return out
+
+    assert sizes(3, [1, 1, 1, 1, 1, 1, 2]) == [1, 2, 4, 4, 6, 6, 8]
+    assert sizes(None, [1, 1, 1, 1, 1, 1, 2]) == [1, 2, 4, 4, 8, 8, 8]
+    assert sizes(3, [5, 1, 3]) == [5, 6, 9]

@@ -16,7 +16,7 @@ variants:
   in the blocks, plus the full-precision tails their storage keeps beside the pool for a
   running request's unfinished chunks (`tail_bytes_per_request`, counted in the per-request
   state): storage/kv.py's tail slot is one whole block of K and of V, every layer, the
-  rank's KV heads, in the compute dtype; a request holds at most TAIL_SLOTS of them.
+  rank's KV heads, in the compute dtype; a request holds at most its schema's `tail_slots` of them.
 
 Tensor parallelism divides the cache only when it is sharded by head: GQA / MHA caches
 split their KV heads over the TP ranks (a rank keeps at least one head, so a TP size above
@@ -45,14 +45,6 @@ INDEXER_FORMATS: tuple[str, ...] = ("fp8", "mxfp4", "bf16")
 DEFAULT_ALIGNMENT = 256  # bytes; cudaMalloc's alignment, and what paged kernels assume per page
 
 _STORAGE_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "fp8"}
-
-# Tail slots one request holds at once in kvpool's chunked storage (storage/kv.py
-# `write_index`: the tails of blocks filled in a step are freed at the next step's start).
-# Block-scaled fp8: the partial block a step completes and the new partial block it leaves.
-# KIVI: V's window of the last R <= block-size tokens spans at most two blocks, each kept
-# until it is full and out of the window; a prefill chunk that crosses two block boundaries
-# holds the two of the window it began with and the two of the window it ends with.
-TAIL_SLOTS = {"block": 2, "window": 4}
 
 
 @dataclass(frozen=True)
@@ -290,8 +282,7 @@ def _gqa_layout(model: ModelSpec, dtype: str, q: int, tp: int, alignment: int, c
         entry_bytes = heads * schema.data_bytes_per_block_head(q, model.head_dim) / q
         scale_bytes = heads * schema.scale_bytes_per_block_head(q, model.head_dim) / q
         if schema.flush(q) > 1:  # chunked: a tail slot is a block's K and V, every layer
-            slots = TAIL_SLOTS["window" if schema.value_window else "block"]
-            tails = slots * 2 * model.num_layers * heads * model.head_dim * q * compute_bytes
+            tails = schema.tail_slots * 2 * model.num_layers * heads * model.head_dim * q * compute_bytes
     else:
         # One token's K and V in one layer: the spec's formula (spec/layout.py), per GPU's heads.
         entry_bytes = LayerSpec(AttentionKind.FULL, heads, model.head_dim, _STORAGE_DTYPE[dtype]).bytes_per_token

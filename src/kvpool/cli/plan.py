@@ -410,13 +410,11 @@ def _print_pd(pd: dict[str, object]) -> None:
 
 def _tail_words(p) -> str:
     """What a chunked format's per-request state is: its storage's full-precision tails."""
-    from kvpool.capacity.kv import TAIL_SLOTS
     from kvpool.spec.kv_formats import kv_schema
 
     if not p.layout.tail_bytes_per_request:
         return ""
-    slots = TAIL_SLOTS["window" if kv_schema(p.layout.kv_dtype).value_window else "block"]
-    return f" (full-precision tails: {slots} blocks of K and V)"
+    return f" (full-precision tails: {kv_schema(p.layout.kv_dtype).tail_slots} blocks of K and V)"
 
 
 def _gib(x: float) -> str:

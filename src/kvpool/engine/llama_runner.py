@@ -169,7 +169,15 @@ class LlamaExecutor:
             )
         else:
             self.storage = QuantizedKVStorage(
-                cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, fmt, model.dtype, model.device
+                cfg.num_layers,
+                num_blocks,
+                block_size,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                fmt,
+                model.dtype,
+                model.device,
+                max_seqs=max_num_seqs,
             )
         k, v = self.storage.k, self.storage.v
         # a tier's entry of one block: every layer's K and V

@@ -74,6 +74,18 @@ class KVSchema:
         return self.residual if self.k_scale == "channel" else 0
 
     @property
+    def tail_slots(self) -> int:
+        """Tail slots one running request holds at once in kvpool's chunked storage
+        (storage/kv.py: a block's K and V in full precision, every layer, until the block is
+        flushed; the tails of blocks a step fills are freed at the next step's start). Block
+        formats: the partial block a step completes and the new one it leaves, 2. KIVI: V's
+        window of the last R <= block-size values spans two blocks, each kept until it is full
+        and out of the window, and a prefill chunk crossing two block boundaries holds the
+        window's two it began with and the two it ends with, 4. What `kvpool plan` prices a
+        request (capacity/kv.py) and what the storage grows its tails to at most a sequence."""
+        return 4 if self.value_window else 2
+
+    @property
     def attends_new_exactly(self) -> bool:
         """A step's attention reads the step's own K and V in full precision (KIVI)."""
         return self.k_scale == "channel"

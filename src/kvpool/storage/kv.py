@@ -233,7 +233,11 @@ class QuantizedKVStorage:
         fmt: KVSchema,
         compute_dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        max_seqs: int | None = None,
     ):
+        """max_seqs: the most sequences that run at once (the engine's max_num_seqs), where
+        known: the tails then grow by doubling up to `fmt.tail_slots` a sequence, what `kvpool
+        plan` prices, and past it only by what a step needs (`_reserve_tails`)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         fmt.check(block_size, head_dim)
@@ -267,6 +271,7 @@ class QuantizedKVStorage:
         self._tail_of: dict[int, int] = {}  # block id -> tail slot
         self._fill: dict[int, int] = {}  # block id -> tokens its tail covers (slots [0, fill))
         self._free_tails: list[int] = []
+        self._max_tails = None if max_seqs is None else max_seqs * fmt.tail_slots
         self._filled: list[int] = []  # blocks filled by the last step: their tails go at the next
         self.window = fmt.value_window  # KIVI's R for V, else 0
         self._v_from: dict[int, int] = {}  # KIVI: block id -> first slot whose V the tail holds
@@ -362,13 +367,18 @@ class QuantizedKVStorage:
         return slot
 
     def _reserve_tails(self, n: int) -> None:
-        """At least n free tail slots: the tensors grow by what is missing, not by doubling,
-        so they hold at most the most slots ever in use at once (what `kvpool plan` prices
-        per running request, capacity/kv.py TAIL_SLOTS); a step reserves its new tails at once."""
-        grow = n - len(self._free_tails)
-        if grow <= 0:
+        """At least n free tail slots (a step reserves its new tails at once). The tensors
+        double (a copy of them each time: amortized, as a list grows), but never past the
+        sequences' bound (`max_seqs` x `fmt.tail_slots`, what `kvpool plan` prices), where one
+        was given, unless the step needs more: then by what is missing."""
+        missing = n - len(self._free_tails)
+        if missing <= 0:
             return
         old = self.tail_k.shape[1]
+        grow = max(old, 1)
+        if self._max_tails is not None:
+            grow = min(grow, self._max_tails - old)
+        grow = max(grow, missing)
         for name in ("tail_k", "tail_v"):
             t = getattr(self, name)
             more = t.new_zeros(t.shape[0], grow, *t.shape[2:])
