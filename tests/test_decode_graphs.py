@@ -295,6 +295,31 @@ def test_the_triton_backend_plans_prefill_and_mixed_steps_from_the_buffers(model
         assert torch.equal(torch.stack(a.logits), torch.stack(b.logits))
 
 
+@pytest.mark.parametrize(
+    ("seqs", "tokens"), [(10**20, 64), (64, 10**20), (10**13, 64), (64, 10**13)], ids=["seqs", "tokens", "s13", "t13"]
+)
+def test_step_buffers_too_large_for_the_machine_are_refused_in_one_line(model64, seqs, tokens):
+    """`kvpool run --max-num-seqs 99999999999999999999` (or --max-num-batched-tokens) on
+    CUDA, whose decode steps keep their metadata in step buffers of that many rows: a
+    TypeError from torch.zeros past int64 (or a RuntimeError of the allocator below it), a
+    traceback; now the check_fits line the pool's size gets, naming both options."""
+    message = (
+        r"the decode steps' persistent metadata for --max-num-seqs \d+ and --max-num-batched-tokens \d+ needs "
+        r".* GiB but this machine has .*; lower --max-num-seqs or --max-num-batched-tokens, or give --enforce-eager$"
+    )
+    with pytest.raises(ValueError, match=message):
+        llama_runner(model64, 8, 4, DESCRIPTOR, decode_mode="static", max_num_seqs=seqs, max_num_batched_tokens=tokens)
+
+
+def test_the_step_buffers_bytes_checked_are_those_allocated():
+    buffers = StepBuffers(5, 7, 3, 4, "cpu")
+    held = (buffers._vec_host, buffers._pos_host, buffers._tables_host, buffers._plan_host)
+    assert StepBuffers.num_bytes(5, 7, 3, on_cpu=True) == (sum(t.nbytes for t in held), 0)
+    # off the CPU: each on the device too, and the host list of changed table entries
+    host, device = StepBuffers.num_bytes(5, 7, 3, on_cpu=False)
+    assert device == sum(t.nbytes for t in held) and host == device + 2 * 8 * 6 * 3
+
+
 def test_bad_decode_modes_are_refused_naming_them(model64):
     with pytest.raises(ValueError, match="unknown decode mode 'fast'; one of eager, static, graphs"):
         llama_runner(model64, 8, 4, DESCRIPTOR, decode_mode="fast")

@@ -23,7 +23,7 @@ from kvpool.attention.backends import PagedStepMetadata, StepMetadata, paged_for
 from kvpool.attention.backends.step_buffers import StepBuffers
 from kvpool.cache import BlockCopy, CacheDescriptor, FullAttentionManager
 from kvpool.engine.cuda_graph import DECODE_MODES, DecodeGraphs
-from kvpool.engine.memory import StepPeaks
+from kvpool.engine.memory import StepPeaks, check_fits
 from kvpool.engine.runner import ModelRunner, ScheduledChunk, StepChunks
 from kvpool.engine.tier_bridge import TierBridge
 from kvpool.models.llama import LlamaModel
@@ -203,6 +203,19 @@ class LlamaExecutor:
         if buffered:
             assert hasattr(self.attention, "begin_decode"), "the backend chosen is not the one predicted"
             max_blocks = -(-min(cfg.max_position, (num_blocks - 1) * block_size) // block_size)
+            # (sized by the engine's limits: a huge --max-num-seqs or --max-num-batched-tokens
+            # was a TypeError past int64 from torch.zeros, or the allocator's RuntimeError)
+            host_bytes, device_bytes = StepBuffers.num_bytes(
+                max_num_seqs, max_num_tokens, max_blocks, model.device.type == "cpu"
+            )
+            what = (
+                f"the decode steps' persistent metadata for --max-num-seqs {max_num_seqs} and "
+                f"--max-num-batched-tokens {max_num_tokens}"
+            )
+            advice = "lower --max-num-seqs or --max-num-batched-tokens, or give --enforce-eager"
+            check_fits(host_bytes, "cpu", what, advice)
+            if device_bytes:
+                check_fits(device_bytes, model.device, what, advice)
             self.step_buffers = StepBuffers(
                 max_num_seqs, max_num_tokens, max_blocks, block_size, model.device, dummy_block=num_blocks - 1
             )

@@ -132,6 +132,16 @@ class StepBuffers:
     dummy_block: a block outside every request's table that padded rows of a captured
     graph write to and read from (None: no padding, `pad` refuses)."""
 
+    @staticmethod
+    def num_bytes(max_num_seqs: int, max_num_tokens: int, max_blocks_per_seq: int, on_cpu: bool) -> tuple[int, int]:
+        """(host bytes, device bytes) of the buffers `__init__` allocates for these sizes (on
+        the CPU the host buffers are the device's: no device bytes), for a check before the
+        allocation (engine/memory.py check_fits)."""
+        s, t, tables = max_num_seqs, max_num_tokens, (max_num_seqs + 1) * max_blocks_per_seq
+        # vec, pos, tables, plan (each on the device too, off the CPU), and the changes' host list
+        shared = 4 * (3 * s + 1 + t) + 8 * t + 4 * tables + 4 * (7 * s + 1 + 2 * t + 24)
+        return (shared, 0) if on_cpu else (shared + 2 * 8 * tables, shared)
+
     def __init__(
         self,
         max_num_seqs: int,
