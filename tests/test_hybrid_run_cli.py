@@ -78,6 +78,27 @@ def test_run_on_a_tiny_hybrid_model_refuses_flags_it_cannot_honour(capsys, flags
     assert len(err) == 1 and err[0].startswith(f"kvpool run: error: {line}")
 
 
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        # (the default --kv-memory was named "None")
+        (
+            "--block-size 99999999999999999999",
+            "--kv-memory 16MiB (the default) holds no block of 99999999999999999999 tokens "
+            "(51199999999999999999488 bytes): raise --kv-memory or lower --block-size",
+        ),
+        (
+            "--kv-memory 1",
+            "--kv-memory 1 holds no block of 16 tokens (8192 bytes): raise --kv-memory or lower --block-size",
+        ),
+    ],
+)
+def test_run_on_a_tiny_hybrid_model_names_the_kv_memory_that_holds_no_block(capsys, flags, line):
+    assert main(["run", "--model", "tiny-gemma2", *flags.split()]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvpool run: loading the model", f"kvpool run: error: {line}"]
+
+
 def test_run_help_names_the_tiny_hybrid_models(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--help"])

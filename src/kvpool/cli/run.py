@@ -268,7 +268,11 @@ def hybrid_engine(args: argparse.Namespace):
         kv_bytes = parse_bytes(args.kv_memory or "16MiB")
         num_blocks = kv_bytes // (token_bytes * args.block_size)
         if num_blocks <= 0:
-            raise ValueError(f"--kv-memory {args.kv_memory} holds no block of {token_bytes * args.block_size} bytes")
+            given = args.kv_memory or "16MiB (the default)"  # (the default was named "None")
+            raise ValueError(
+                f"--kv-memory {given} holds no block of {args.block_size} tokens "
+                f"({token_bytes * args.block_size} bytes): raise --kv-memory or lower --block-size"
+            )
     engine = build_engine(
         model,
         num_blocks=num_blocks,
