@@ -203,3 +203,33 @@ def test_verify_hybrid_refuses_a_length_past_its_pool_not_reports_a_failed_check
         f"kvpool verify hybrid: error: --lengths {length}: a prompt of {length:,} tokens does not fit the verifier's "
         "KV pool; give shorter lengths\n"
     )
+
+
+@pytest.mark.parametrize("layers", [["window", "recurrent"], ["window", "window"]])
+@pytest.mark.parametrize(("num_blocks", "block_size"), [(4, 2), (2, 4), (5, 1), (2, 16)])
+def test_a_hybrid_without_full_attention_chunks_a_prompt_its_window_pool_cannot_take_in_one_step(
+    one_thread, layers, num_blocks, block_size
+):
+    """A hybrid with no full-attention layer holds a request of any length (its capacity is
+    the model's positions: each window group keeps a window's blocks), but a prefill chunk
+    of the whole step budget needs the chunk's blocks at once. With a budget past what the
+    pool holds, the long prompt was never admitted: every step raised "cannot be admitted
+    into an idle cache", and the short request queued behind it never ran. Its chunks are
+    now cut to what the pool takes; both requests get the reference's greedy tokens."""
+    model = TinyHybrid({**TINY_GEMMA2, "layers": layers, "window": 5}, seed=1, dtype=torch.float64)
+    runner = hybrid_runner(model, num_blocks, 8, block_size=block_size, checkpoint_interval=4)
+    engine = Engine(runner, max_num_batched_tokens=64, max_num_seqs=4)
+    prompts = {"long": list(range(1, 40)), "short": [1, 2, 3]}
+    for rid, prompt in prompts.items():
+        engine.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True), rid)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        runner.check_integrity()
+        steps += 1
+        assert steps < 500
+    for rid, prompt in prompts.items():
+        tokens = engine.pop_output(rid).completions[0].token_ids
+        assert tokens == model.reference_logits(prompt + tokens[:-1]).argmax(-1).tolist()[len(prompt) - 1 :]
+    usage = runner.usage()
+    assert usage.num_free_blocks == usage.num_blocks

@@ -1069,6 +1069,14 @@ class Engine:
                 n = min(len(seq.token_ids) - seq._num_computed, budget)
                 while not self._timed(lambda seq=seq, n=n: self.runner.reserve_step([seq.seq_id], [n])):
                     victim = self.running[-1]
+                    if victim is seq and not plan and n > 1:
+                        # Alone, and its chunk does not fit the idle cache: a prefill chunk
+                        # larger than a window group's pool holds at once (a hybrid without
+                        # full attention, whose capacity is the model's positions). A smaller
+                        # chunk, not a preemption of itself (readmitted, its chunk would not
+                        # fit either: every step raised). A cache it fits alone never gets here.
+                        n = -(-n // 2)
+                        continue
                     self._preempt(victim)
                     if victim is seq:
                         break
@@ -1115,6 +1123,7 @@ class Engine:
         # running sequences reserved the step, and those admitted before it: their reservations
         # go as a faulted forward's do (`_after_a_fault`: a cache of exact steps refuses them
         # reserved again, and every later step raised)
+        first_chunk = budget  # (cut only where nothing is scheduled and the head does not fit: below)
         try:
             while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
@@ -1122,7 +1131,7 @@ class Engine:
                     self.runner.admit,
                     seq.seq_id,
                     seq.token_ids,
-                    budget,
+                    min(budget, first_chunk),
                     tenant_salt=seq.request.tenant,
                     prompt=seq.prompt,
                     check_packing=False,  # (add_request checked seq.prompt's bytes)
@@ -1132,7 +1141,13 @@ class Engine:
                     share_ids=True,
                 )
                 if admitted is None:
-                    break
+                    if chunks or first_chunk <= 1:
+                        break
+                    # Nothing scheduled and the head of the queue does not fit the idle cache
+                    # with `budget` tokens: a smaller first chunk (as above, a window group's
+                    # pool); at one token that does not fit, the error below
+                    first_chunk = -(-first_chunk // 2)
+                    continue
                 if ids_shared:
                     ids, ids_shared = ids.copy(), False
                     if scheduled is self._decode_rows or (columns is not None and scheduled is columns.seqs):
