@@ -233,3 +233,27 @@ def test_a_hybrid_without_full_attention_chunks_a_prompt_its_window_pool_cannot_
         assert tokens == model.reference_logits(prompt + tokens[:-1]).argmax(-1).tolist()[len(prompt) - 1 :]
     usage = runner.usage()
     assert usage.num_free_blocks == usage.num_blocks
+
+
+@pytest.mark.parametrize(("num_blocks", "block_size"), [(3, 1), (4, 1), (1, 16), (1, 4)])
+def test_a_hybrid_without_full_attention_whose_pool_cannot_hold_its_window_holds_what_the_pool_holds(
+    one_thread, num_blocks, block_size
+):
+    """A window of 5 spans up to ceil(4 / block_size) + 1 blocks: a pool of fewer cannot take a
+    request past it, whatever its chunks. Its capacity was the model's positions (4096), so a
+    long prompt was taken and never admitted (every step raised, the requests behind it
+    starved); it is now the pool's, and too long a prompt a ValueError at add_request."""
+    model = TinyHybrid({**TINY_GEMMA2, "layers": ["window", "recurrent"], "window": 5}, seed=1, dtype=torch.float64)
+    runner = hybrid_runner(model, num_blocks, 8, block_size=block_size, checkpoint_interval=4)
+    assert runner.max_model_len == runner.capacity_tokens == num_blocks * block_size
+    engine = Engine(runner, max_num_batched_tokens=64, max_num_seqs=4)
+    with pytest.raises(ValueError, match="'long': prompt of 39 tokens is too long"):
+        engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=5), "long")
+    prompt = list(range(1, num_blocks * block_size))
+    engine.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True), "fits")
+    while engine.has_unfinished():
+        engine.step()
+        runner.check_integrity()
+    tokens = engine.pop_output("fits").completions[0].token_ids
+    assert len(tokens) == 1  # (max_model_len)
+    assert tokens == model.reference_logits(prompt).argmax(-1).tolist()[-1:]

@@ -90,9 +90,14 @@ def hybrid_runner(
         )
     full = [g for g in cache.attention_groups if g.spec.window is None]
     # A request alone can grow until a full-attention group runs out (a window group
-    # holds at most its window, plus the step's blocks).
+    # holds at most its window, plus the step's blocks: the engine cuts a prefill chunk
+    # to what the pool takes). Without one, a window group's pool holds a request of any
+    # length only where it holds the blocks a window of W positions spans at worst
+    # (ceil((W - 1) / block_size) + 1); a smaller pool holds what it holds.
+    windows = [g.spec.window for g in cache.attention_groups if g.spec.window is not None]
+    spans = max((-(-(w - 1) // block_size) + 1 for w in windows), default=0)
     max_position = model.config["max_position_embeddings"]
-    capacity = num_blocks * block_size if full else max_position
+    capacity = num_blocks * block_size if full or num_blocks < spans else max_position
     return ModelRunner(
         cache,
         HybridExecutor(model, num_blocks, block_size, num_slots),
