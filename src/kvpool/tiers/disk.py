@@ -687,6 +687,10 @@ class DiskTier(Tier):
         # the runner's check_sizes refuses only once the tier is open) cut a shared cache to
         # nothing as it opened, and then was refused.
         self._cut_pending = True
+        # a lookup indexed an entry it found on disk (another process's, or this one's write
+        # landed before its writer indexed it) past the limit: the next write's eviction cuts
+        # the index to it again (evictions are the writer's, off the lookup path)
+        self._found_over = False
         self._index(opened.found, {}, evict=False)
         # a crash test stops the writer here (the stage's name); None in normal use
         self.fault_hook = None
@@ -1013,6 +1017,7 @@ class DiskTier(Tier):
             self._drop(ident)  # (forgotten even when the unlink fails: the loop ends)
             self._removing.add(ident)
             victims.append((ident, old))
+        self._found_over = False
         return victims
 
     def _remove_evicted(
@@ -1132,6 +1137,7 @@ class DiskTier(Tier):
         if found is None or found.inode != read.st.st_ino or found.num_bytes != read.st.st_size:
             found = _Entry(path, read.st.st_size, None, read.st.st_ino)  # (new here, or rewritten by another process)
             self._add(ident, found)
+            self._found_over = self._found_over or self._num_bytes > self.capacity_bytes
         if read.error is not None:
             self._failed(ident, found, read.error, "read")
             return None
@@ -1447,8 +1453,10 @@ class DiskTier(Tier):
     def check_integrity(self) -> None:
         with self._lock:
             total = sum(e.num_bytes for e in self._entries.values())
-            # (over the limit only while the open's cut waits for the first write: _cut_to_limit)
-            if total != self._num_bytes or (total > self.capacity_bytes and not self._cut_pending):
+            # (over the limit only while the open's cut waits for the first write, _cut_to_limit,
+            # or the next write's eviction, after a lookup indexed what it found: _found_over)
+            over = total > self.capacity_bytes and not (self._cut_pending or self._found_over)
+            if total != self._num_bytes or over:
                 raise AssertionError(
                     f"disk tier: {total} B indexed, {self._num_bytes} B counted, {self.capacity_bytes} B limit"
                 )
