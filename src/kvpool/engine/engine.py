@@ -1148,6 +1148,7 @@ class Engine:
                     # pool); at one token that does not fit, the error below
                     first_chunk = -(-first_chunk // 2)
                     continue
+                first_chunk = self.max_num_batched_tokens  # (the cut was that head's alone)
                 if ids_shared:
                     ids, ids_shared = ids.copy(), False
                     if scheduled is self._decode_rows or (columns is not None and scheduled is columns.seqs):
