@@ -106,21 +106,15 @@ def test_parallel_samples_without_a_free_state_block_wait_and_recompute() -> Non
 
 
 def _generate_args(**kw: object):
-    import argparse
+    """`kvpool generate --model tiny-dsv4`'s flags as its parser reads them (every default
+    there, the new ones included), with `kw` set over them."""
+    from kvpool.cli.main import build_parser
 
-    base = dict(
-        prompt="5,17,42,99",
-        no_chat=True,
-        max_tokens=6,
-        temperature=0.0,
-        top_p=1.0,
-        top_k=0,
-        seed=0,
-        num_blocks=16,
-        json=True,
-        model="tiny-dsv4",
-    )
-    return argparse.Namespace(**{**base, **kw})
+    argv = ["generate", "5,17,42,99", "--no-chat", "--max-tokens", "6", "--seed", "0", "--num-blocks", "16"]
+    args = build_parser().parse_args([*argv, "--json", "--model", "tiny-dsv4"])
+    for name, value in kw.items():
+        setattr(args, name, value)
+    return args
 
 
 def test_generate_tiny_dsv4_token_ids(capsys: pytest.CaptureFixture[str]) -> None:
