@@ -168,3 +168,34 @@ def test_prefill_chunk_matches_causal_sdpa(q_len, ctx_len, dtype):
     else:
         _, v = contiguous_kv(k_cache, v_cache, ids, ctx_len)
         assert err <= fp32_tolerance(causal_sdpa(q, k_cache, v_cache), exact, v)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    "q_len, ctx_len", [(37, 37), (10, 10), (12, 37)], ids=["from-0", "from-0-short", "over-a-prefix"]
+)
+def test_a_non_finite_key_of_a_chunk_reaches_only_the_queries_that_see_it(q_len, ctx_len, bad):
+    """Keys at chunk positions 3 and 7 (one dim NaN / +-inf): the queries before position 3
+    never see them, so their outputs are the exact ones; from 5 on each query is what plain
+    attention over what it sees gives (fp64, by hand: NaN, or for -inf in that dim a key of
+    weight 0 where the query's dim is positive, ...). SDPA's mask, added to the scores, made
+    a masked NaN / inf score NaN in the earlier queries too (chunks of 10 from position 0
+    and 12 over a prefix; 37 from 0 took another SDPA kernel), so a bad key written later
+    in a chunk poisoned the earlier positions (whose K / V the next layer computes and the
+    prefix cache then holds for another request): causality broken."""
+    bs, start = 16, ctx_len - q_len
+    _, k_cache, v_cache, indptr, ids = scattered_batch([ctx_len], bs, num_blocks=32, seed=q_len)
+    k_cache, v_cache = k_cache.double(), v_cache.double()
+    for p in (start + 3, start + 7):
+        k_cache[ids[p // bs], 1, 0, p % bs] = bad  # K^T: [block, kv head, dim, slot]
+    q = torch.randn(q_len, H, D, dtype=torch.float64)
+    plan = plan_step([q_len], [ctx_len], list(range(q_len)), indptr, ids, bs, H, KVH, D, torch.device("cpu"))
+    out = prefill_attention(q, k_cache, v_cache, plan.prefills[0])
+    k, v = contiguous_kv(k_cache, v_cache, ids, ctx_len)  # [H, ctx, D]
+    scores = torch.einsum("qhd,hkd->hqk", q, k) * D**-0.5
+    sees = torch.arange(ctx_len)[None, :] <= torch.arange(start, ctx_len)[:, None]
+    probs = torch.softmax(scores.masked_fill(~sees, float("-inf")), -1)
+    want = torch.einsum("hqk,hkd->qhd", probs.masked_fill(~sees, 0.0), v)
+    finite = want.isfinite()
+    assert finite[:3].all() and (out[:3] - want[:3]).abs().max() <= TOL64
+    assert (out[finite] - want[finite]).abs().max() <= TOL64 and not out[~finite].isfinite().any()
