@@ -24,7 +24,13 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tens
     if window is not None:
         visible &= q_pos[:, None] - k_pos[None, :] < window
     scores = scores.masked_fill(~visible[None], -math.inf)
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    probs = torch.softmax(scores, dim=-1)  # [H, Tq, Tk]: exactly 0 where not visible
+    if math.isfinite(v.sum(dtype=torch.float64 if v.dtype == torch.float64 else torch.float32).item()):
+        return torch.einsum("hqk,khd->qhd", probs, v)
+    # A NaN or inf value (or a sum past fp32's range): 0 * NaN is NaN, so p @ V would carry a
+    # value to the queries that do not see it (a later key of the chunk, one out of the
+    # window). Each query sums over its visible keys alone.
+    return torch.stack([torch.einsum("hk,khd->hd", probs[:, t, seen], v[seen]) for t, seen in enumerate(visible)])
 
 
 def delta_rule(
