@@ -61,3 +61,44 @@ def test_masked_attention_keeps_a_bad_key_or_value_to_the_queries_that_see_it(wh
     want = _per_query(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), visible)
     clean = [0, 1, 2] + ([7] if window else [])
     _close_where_finite(out, want, clean)
+
+
+def _sink_per_query(q, keys, valid, sink, scale):
+    """sink_attention's formula, each query over its valid keys alone (fp64)."""
+    outs = []
+    for i in range(q.shape[0]):
+        ks = (keys if keys.dim() == 2 else keys[i])[valid[i]]  # [k, d]
+        z = torch.einsum("hd,kd->hk", q[i], ks) * scale
+        m = torch.maximum(
+            z.amax(-1, keepdim=True) if ks.shape[0] else torch.full_like(sink[:, None], -math.inf), sink[:, None]
+        )
+        e = torch.exp(z - m)
+        outs.append(torch.einsum("hk,kd->hd", e / (e.sum(-1, keepdim=True) + torch.exp(sink[:, None] - m)), ks))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-list", "own-lists"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_sink_attention_keeps_a_bad_key_to_the_queries_that_see_it(shared, bad) -> None:
+    """DeepSeek-V4's softmax with the sink (K = V): 6 queries over one list of 10 keys,
+    query i seeing keys [0, 4 + i] (a chunk's causal mask), the bad value at key 7 (seen
+    from query 3 on); or each query's own list of 10 whose entries past 4 + i are invalid,
+    the bad value in an invalid entry of every query's list (seen by none)."""
+    from kvpool.attention.dsv4_ops import sink_attention
+
+    g = torch.Generator().manual_seed(7)
+    n, h, d = 6, 4, 8
+    q = torch.randn(n, h, d, generator=g, dtype=torch.float64)
+    sink = torch.randn(h, generator=g, dtype=torch.float64)
+    valid = torch.arange(10)[None, :] <= 4 + torch.arange(n)[:, None]
+    if shared:
+        keys = torch.randn(10, d, generator=g, dtype=torch.float64)
+        keys[7, 0] = bad
+        clean = [0, 1, 2]
+    else:
+        keys = torch.randn(n, 10, d, generator=g, dtype=torch.float64)
+        keys[torch.arange(n - 1), 9, 0] = bad  # invalid for queries 0..4
+        clean = [0, 1, 2, 3, 4]
+    out = sink_attention(q, keys, valid, sink, d**-0.5)
+    want = _sink_per_query(q, keys, valid, sink, d**-0.5)
+    _close_where_finite(out, want, clean)

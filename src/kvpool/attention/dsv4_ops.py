@@ -349,7 +349,15 @@ def sink_attention(q: Tensor, keys: Tensor, valid: Tensor, sink: Tensor, scale: 
     m = torch.maximum(z.amax(dim=-1, keepdim=True), sink_b)  # the sink keeps m finite
     e = torch.exp(z - m)
     denom = e.sum(dim=-1, keepdim=True) + torch.exp(sink_b - m)
-    return torch.einsum("nhk,kd->nhd" if shared else "nhk,nkd->nhd", e / denom, keys)
+    probs = e / denom  # exactly 0 where not valid
+    if math.isfinite(keys.sum(dtype=torch.float64 if keys.dtype == torch.float64 else torch.float32).item()):
+        return torch.einsum("nhk,kd->nhd" if shared else "nhk,nkd->nhd", probs, keys)
+    # A NaN or inf key (or a sum past fp32's range): 0 * NaN is NaN, so the weighted sum
+    # would carry it to the queries that do not see it (a later key of the chunk, an
+    # invalid entry of a query's list). Each query sums over its valid keys alone.
+    if not shared:
+        return torch.einsum("nhk,nkd->nhd", probs, keys.masked_fill(~valid[:, :, None], 0.0))
+    return torch.stack([probs[i][:, ok] @ keys[ok] for i, ok in enumerate(valid)])
 
 
 def output_projection(spec: DSV4Spec, w: DSV4AttnWeights, o: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
