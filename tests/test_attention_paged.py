@@ -170,32 +170,40 @@ def test_prefill_chunk_matches_causal_sdpa(q_len, ctx_len, dtype):
         assert err <= fp32_tolerance(causal_sdpa(q, k_cache, v_cache), exact, v)
 
 
+@pytest.mark.parametrize("which", ["k", "v"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize(
     "q_len, ctx_len", [(37, 37), (10, 10), (12, 37)], ids=["from-0", "from-0-short", "over-a-prefix"]
 )
-def test_a_non_finite_key_of_a_chunk_reaches_only_the_queries_that_see_it(q_len, ctx_len, bad):
-    """Keys at chunk positions 3 and 7 (one dim NaN / +-inf): the queries before position 3
-    never see them, so their outputs are the exact ones; from 5 on each query is what plain
-    attention over what it sees gives (fp64, by hand: NaN, or for -inf in that dim a key of
-    weight 0 where the query's dim is positive, ...). SDPA's mask, added to the scores, made
-    a masked NaN / inf score NaN in the earlier queries too (chunks of 10 from position 0
-    and 12 over a prefix; 37 from 0 took another SDPA kernel), so a bad key written later
-    in a chunk poisoned the earlier positions (whose K / V the next layer computes and the
-    prefix cache then holds for another request): causality broken."""
+def test_a_non_finite_key_or_value_of_a_chunk_reaches_only_the_queries_that_see_it(q_len, ctx_len, bad, which):
+    """Keys (or values) at chunk positions 3 and 7 with one dim NaN / +-inf: the queries
+    before position 3 never see them, so their outputs are the exact ones; from 3 on each
+    query is what plain attention over what it sees gives (fp64, a loop over the queries: NaN,
+    or for a -inf key a key of weight 0 where the query's dim is positive, ...). SDPA's
+    mask, added to the scores, made a masked NaN / inf score NaN in the earlier queries too
+    (chunks of 10 from position 0 and 12 over a prefix; 37 from 0 took another SDPA kernel),
+    and a masked value's weight 0 times NaN or inf is NaN in p @ V (every chunk), so a bad
+    key or value written later in a chunk poisoned the earlier positions (whose K / V the
+    next layer computes and the prefix cache then holds for another request): causality
+    broken."""
     bs, start = 16, ctx_len - q_len
     _, k_cache, v_cache, indptr, ids = scattered_batch([ctx_len], bs, num_blocks=32, seed=q_len)
     k_cache, v_cache = k_cache.double(), v_cache.double()
     for p in (start + 3, start + 7):
-        k_cache[ids[p // bs], 1, 0, p % bs] = bad  # K^T: [block, kv head, dim, slot]
+        if which == "k":
+            k_cache[ids[p // bs], 1, 0, p % bs] = bad  # K^T: [block, kv head, dim, slot]
+        else:
+            v_cache[ids[p // bs], 1, p % bs, 0] = bad  # V: [block, kv head, slot, dim]
     q = torch.randn(q_len, H, D, dtype=torch.float64)
     plan = plan_step([q_len], [ctx_len], list(range(q_len)), indptr, ids, bs, H, KVH, D, torch.device("cpu"))
     out = prefill_attention(q, k_cache, v_cache, plan.prefills[0])
     k, v = contiguous_kv(k_cache, v_cache, ids, ctx_len)  # [H, ctx, D]
-    scores = torch.einsum("qhd,hkd->hqk", q, k) * D**-0.5
-    sees = torch.arange(ctx_len)[None, :] <= torch.arange(start, ctx_len)[:, None]
-    probs = torch.softmax(scores.masked_fill(~sees, float("-inf")), -1)
-    want = torch.einsum("hqk,hkd->qhd", probs.masked_fill(~sees, 0.0), v)
+    want = []
+    for i in range(q_len):  # query i sees keys [0, start + i]
+        seen = start + i + 1
+        probs = torch.softmax(torch.einsum("hd,hkd->hk", q[i], k[:, :seen]) * D**-0.5, -1)
+        want.append(torch.einsum("hk,hkd->hd", probs, v[:, :seen]))
+    want = torch.stack(want)
     finite = want.isfinite()
     assert finite[:3].all() and (out[:3] - want[:3]).abs().max() <= TOL64
     assert (out[finite] - want[finite]).abs().max() <= TOL64 and not out[~finite].isfinite().any()

@@ -334,19 +334,23 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # A NaN or an inf in a key the chunk writes makes SDPA's score of it non-finite, and its
     # mask (added to the scores: inf + -inf, NaN + -inf) leaves that NaN in the queries
     # before it too, which never see that key (CPU SDPA, torch 2.13, chunks up to ~32
-    # queries from position 0, any chunk over a prefix). Those earlier positions' outputs
-    # feed the next layer's K / V, which the prefix cache keeps for other requests: so the
-    # chunk is cut at its non-finite keys, each piece attending to the keys up to its end,
-    # among which its masked ones are finite (a prefix key is seen by every query: no cut).
-    # Found by one sum over the chunk's own keys (q_len x KVH x D; a NaN or inf in them
-    # makes it non-finite, a finite sum past fp32's range takes the exact cut path too):
-    # 8 us against 8.8 ms for SDPA at 512 tokens, 3.7 us against 140 us at 16 (heads 9 / 3,
-    # head dim 64, fp32, one thread, thread time, best of 7 x 200; 2026-12-08, 2 shared
-    # vCPUs). An isfinite bool mask over them cost 470 / 26 us.
+    # queries from position 0, any chunk over a prefix); a NaN or an inf value, weighted
+    # exactly 0 for them, is NaN in p @ V all the same (0 * NaN, 0 * inf). Those earlier
+    # positions' outputs feed the next layer's K / V, which the prefix cache keeps for other
+    # requests: so the chunk is cut at its non-finite keys and values, each piece attending
+    # to the keys up to its end, among which its masked ones are finite (a prefix key is
+    # seen by every query: no cut). Found by one sum over the chunk's own K and one over its
+    # V (q_len x KVH x D each; a NaN or inf makes it non-finite, a finite sum past fp32's
+    # range takes the exact cut path too): 18 us against 8.8 ms for SDPA at 512 tokens,
+    # 8 us against 140 us at 16 (heads 9 / 3, head dim 64, fp32, one thread, thread time,
+    # best of 7 x 200; 2026-12-08, 2 shared vCPUs). An isfinite bool mask over K alone
+    # cost 470 / 26 us.
     start = plan.ctx_len - q_len
-    chunk = k[:, start:]
-    if not math.isfinite(chunk.sum(dtype=torch.float64 if k.dtype == torch.float64 else torch.float32).item()):
-        bad = ~torch.isfinite(chunk).all(dim=2).all(dim=0)  # [q_len]: the chunk's non-finite keys
+    chunk_k, chunk_v = k[:, start:], v[:, start:]
+    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    if not math.isfinite((chunk_k.sum(dtype=acc) + chunk_v.sum(dtype=acc)).item()):
+        finite = torch.isfinite(chunk_k).all(dim=2) & torch.isfinite(chunk_v).all(dim=2)  # [KVH, q_len]
+        bad = ~finite.all(dim=0)  # [q_len]: the chunk's positions with a non-finite key or value
         cuts = [0, *(int(i) for i in bad.nonzero()[:, 0] if i > 0), q_len]
         out = torch.empty_like(q)
         for a, b in zip(cuts[:-1], cuts[1:], strict=True):
