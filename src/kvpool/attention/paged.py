@@ -340,16 +340,19 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # requests: so the chunk is cut at its non-finite keys and values, each piece attending
     # to the keys up to its end, among which its masked ones are finite (a prefix key is
     # seen by every query: no cut). Found by one sum over the chunk's own K and one over its
-    # V (q_len x KVH x D each; a NaN or inf makes it non-finite, a finite sum past fp32's
-    # range takes the exact cut path too): 18 us against 8.8 ms for SDPA at 512 tokens,
-    # 8 us against 140 us at 16 (heads 9 / 3, head dim 64, fp32, one thread, thread time,
-    # best of 7 x 200; 2026-12-08, 2 shared vCPUs). An isfinite bool mask over K alone
-    # cost 470 / 26 us. On CUDA (the torch backend there: Triton's is preferred) the
-    # sum's read back waits for the device once a chunk and layer; unmeasured (no GPU).
+    # V (q_len x KVH x D each; a NaN or inf makes it non-finite, a finite sum past the
+    # dtype's range takes the exact cut path too). Its cost, this function against the one
+    # without the check, alternated in one process, median of 20 rounds (heads 9 / 3, head
+    # dim 64, fp32, one thread, thread time; 2026-12-08, 2 shared vCPUs, load 3-5): within
+    # 1-4 % at 128 and 512 tokens, +14 us (of ~110) for a chunk of 16 from position 0, +25
+    # us (of ~390) for 16 over a prefix of 384. An isfinite bool mask over K alone cost
+    # 470 / 26 us at 512 / 16 tokens. On CUDA (the torch backend there: Triton's is
+    # preferred) the sums' read back waits for the device once a chunk and layer;
+    # unmeasured (no GPU).
     start = plan.ctx_len - q_len
     chunk_k, chunk_v = k[:, start:], v[:, start:]
-    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
-    if not math.isfinite((chunk_k.sum(dtype=acc) + chunk_v.sum(dtype=acc)).item()):
+    acc = None if k.dtype in (torch.float32, torch.float64) else torch.float32  # (16-bit sums overflow sooner)
+    if not math.isfinite(chunk_k.sum(dtype=acc).item() + chunk_v.sum(dtype=acc).item()):
         finite = torch.isfinite(chunk_k).all(dim=2) & torch.isfinite(chunk_v).all(dim=2)  # [KVH, q_len]
         bad = ~finite.all(dim=0)  # [q_len]: the chunk's positions with a non-finite key or value
         cuts = [0, *(int(i) for i in bad.nonzero()[:, 0] if i > 0), q_len]
