@@ -9,23 +9,20 @@ import torch
 
 from kvpool.attention.reference import reference_logits
 from kvpool.engine.batch_sampler import sample_batch
-from kvpool.engine.build import LoadedModel, build_engine, load_model
+from kvpool.engine.build import build_engine, load_model
 from kvpool.engine.sampling import SamplingParams, min_p_filtered, processed_logits, sample_token
 
 
 @pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model(device="cpu")
-    torch.set_num_threads(threads)
+def model(one_thread):
+    return load_model(device="cpu")
 
 
 @pytest.fixture(scope="module")
-def fp64(model):
-    """The same weights in fp64: the engine's logits equal a full recompute's to ~1e-12, so
-    its tokens are the reference loop's wherever no two candidates lie that close."""
-    return LoadedModel(model.gguf, model.model.astype(torch.float64), model.tokenizer, model.weights_version)
+def fp64(fp64_model):
+    """The same weights in fp64 (conftest's): the engine's logits equal a full recompute's to
+    ~1e-12, so its tokens are the reference loop's wherever no two candidates lie that close."""
+    return fp64_model
 
 
 def chat_prompt(model, text: str) -> list[int]:
